@@ -1,0 +1,285 @@
+//! One request body through the first five steps: parse, identify, size, count tokens, lay out.
+//!
+//! The result is everything routing needs (the block keys) and everything a person wants to
+//! see (`mmrouter inspect`, the browser demo).
+
+use crate::config::{ConfigError, RouterConfig};
+use crate::identity::{DecodeError, MediaId, decode_base64};
+use crate::image_header::{HeaderError, ImageFormat, read_image_header};
+use crate::layout::{Layout, PlacedMedia, layout};
+use crate::request::{MediaKind, MediaPart, MediaSource, RequestError, parse};
+use crate::tokens::{ImageTokens, Profile, TokenError};
+use std::fmt;
+
+/// Token costs for media whose size the router cannot read.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MediaDefaults {
+    /// Size assumed for an http(s) image whose bytes were not seen (default 640×360, the size
+    /// llm-d assumes). The profile turns it into tokens like any other size.
+    pub url_image_width: u32,
+    pub url_image_height: u32,
+    /// Tokens assumed for a video item (default 2048: a few frames at video resolution; the
+    /// real count depends on duration, fps and the processor's frame sampling).
+    pub video_tokens: u32,
+    /// Tokens assumed for an audio item (default 750: 30 s through a Whisper-style encoder
+    /// pooled 2×, as Qwen2-Audio).
+    pub audio_tokens: u32,
+    /// Tokens assumed for `image_embeds` (default 256).
+    pub embeds_tokens: u32,
+}
+
+impl Default for MediaDefaults {
+    fn default() -> Self {
+        MediaDefaults {
+            url_image_width: 640,
+            url_image_height: 360,
+            video_tokens: 2048,
+            audio_tokens: 750,
+            embeds_tokens: 256,
+        }
+    }
+}
+
+impl MediaDefaults {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.url_image_width == 0 || self.url_image_height == 0 {
+            return Err(ConfigError::new(
+                "media.url_image_width",
+                "url image size must be non-zero",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the router knows about one media item.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MediaReport {
+    pub index: usize,
+    pub kind: MediaKind,
+    pub id: MediaId,
+    /// Format and size read from the file header (images with bytes only).
+    pub format: Option<ImageFormat>,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    /// Decoded size of inline data, in bytes.
+    pub bytes: Option<usize>,
+    pub tokens: ImageTokens,
+}
+
+/// A request analysed: its profile, media and block layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Analysis {
+    pub model: String,
+    pub profile: Profile,
+    pub stream: bool,
+    pub media: Vec<MediaReport>,
+    pub layout: Layout,
+}
+
+/// Why a media item could not be analysed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MediaError {
+    Decode(DecodeError),
+    Header(HeaderError),
+    Tokens(TokenError),
+}
+
+impl fmt::Display for MediaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MediaError::Decode(e) => e.fmt(f),
+            MediaError::Header(e) => e.fmt(f),
+            MediaError::Tokens(e) => e.fmt(f),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AnalyzeError {
+    Request(RequestError),
+    Profile(TokenError),
+    /// Media item `index` (request order, from 0) of kind `kind`.
+    Media {
+        index: usize,
+        kind: MediaKind,
+        error: MediaError,
+    },
+}
+
+impl AnalyzeError {
+    /// A short, stable name for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AnalyzeError::Request(RequestError::TooLarge { .. }) => "too_large",
+            AnalyzeError::Request(RequestError::Json(_)) => "bad_json",
+            AnalyzeError::Request(_) => "bad_request",
+            AnalyzeError::Profile(_) => "bad_profile",
+            AnalyzeError::Media {
+                error: MediaError::Decode(_),
+                ..
+            } => "bad_base64",
+            AnalyzeError::Media {
+                error: MediaError::Header(_),
+                ..
+            } => "bad_image",
+            AnalyzeError::Media {
+                error: MediaError::Tokens(_),
+                ..
+            } => "bad_image_size",
+        }
+    }
+}
+
+impl fmt::Display for AnalyzeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AnalyzeError::Request(e) => e.fmt(f),
+            AnalyzeError::Profile(e) => e.fmt(f),
+            AnalyzeError::Media { index, kind, error } => {
+                let kind = match kind {
+                    MediaKind::Image => "image",
+                    MediaKind::Video => "video",
+                    MediaKind::Audio => "audio",
+                    MediaKind::Embeds => "image_embeds",
+                };
+                write!(f, "{kind} {index}: {error}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for AnalyzeError {}
+
+/// Analyses a body with the profile its model resolves to.
+pub fn analyze(body: &[u8], config: &RouterConfig) -> Result<Analysis, AnalyzeError> {
+    analyze_with(body, config, None)
+}
+
+/// Analyses a body; `profile` overrides the model-name rules when given.
+pub fn analyze_with(
+    body: &[u8],
+    config: &RouterConfig,
+    profile: Option<&Profile>,
+) -> Result<Analysis, AnalyzeError> {
+    let request = parse(body, &config.limits).map_err(AnalyzeError::Request)?;
+    let profile = match profile {
+        Some(p) => p.clone(),
+        None => config
+            .profiles
+            .resolve(&request.model)
+            .map_err(AnalyzeError::Profile)?,
+    };
+    let mut media = Vec::new();
+    for part in request.media() {
+        let report =
+            describe_part(part, &profile, &config.media).map_err(|error| AnalyzeError::Media {
+                index: part.index,
+                kind: part.kind,
+                error,
+            })?;
+        media.push(report);
+    }
+    let placed: Vec<PlacedMedia> = media
+        .iter()
+        .map(|m| PlacedMedia {
+            key: m.id.key64(),
+            tokens: m.tokens,
+        })
+        .collect();
+    let layout = layout(&request, &placed, config.block_size);
+    Ok(Analysis {
+        model: request.model.into_owned(),
+        profile,
+        stream: request.stream,
+        media,
+        layout,
+    })
+}
+
+/// Identity, format, size and tokens of one image file.
+pub fn describe_image(bytes: &[u8], profile: &Profile) -> Result<MediaReport, MediaError> {
+    let info = read_image_header(bytes).map_err(MediaError::Header)?;
+    let tokens = profile
+        .image_tokens(info.width, info.height)
+        .map_err(MediaError::Tokens)?;
+    Ok(MediaReport {
+        index: 0,
+        kind: MediaKind::Image,
+        id: MediaId::of_bytes(bytes),
+        format: Some(info.format),
+        width: Some(info.width),
+        height: Some(info.height),
+        bytes: Some(bytes.len()),
+        tokens,
+    })
+}
+
+fn describe_part(
+    part: &MediaPart<'_>,
+    profile: &Profile,
+    defaults: &MediaDefaults,
+) -> Result<MediaReport, MediaError> {
+    let fixed = |tokens: u32| ImageTokens { tokens, markers: 2 };
+    let mut report = match (&part.source, part.kind) {
+        (MediaSource::DataUrl { base64: false, .. }, _) => {
+            return Err(MediaError::Decode(DecodeError::NotBase64));
+        }
+        (MediaSource::DataUrl { payload, .. }, MediaKind::Image) => {
+            let bytes = decode_base64(payload).map_err(MediaError::Decode)?;
+            describe_image(&bytes, profile)?
+        }
+        (MediaSource::Url(url), MediaKind::Image) => {
+            let tokens = profile
+                .image_tokens(defaults.url_image_width, defaults.url_image_height)
+                .map_err(MediaError::Tokens)?;
+            MediaReport {
+                index: 0,
+                kind: MediaKind::Image,
+                id: MediaId::of_url(url),
+                format: None,
+                width: None,
+                height: None,
+                bytes: None,
+                tokens,
+            }
+        }
+        (source, kind) => {
+            let (id, bytes) = match source {
+                MediaSource::DataUrl { payload, .. } | MediaSource::Base64(payload)
+                    if !payload.is_empty() =>
+                {
+                    let bytes = decode_base64(payload).map_err(MediaError::Decode)?;
+                    (MediaId::of_bytes(&bytes), Some(bytes.len()))
+                }
+                MediaSource::Url(url) => (MediaId::of_url(url), None),
+                MediaSource::RawJson(raw) => (MediaId::of_bytes(raw.as_bytes()), None),
+                MediaSource::DataUrl { .. } | MediaSource::Base64(_) => {
+                    return Err(MediaError::Decode(DecodeError::Empty));
+                }
+            };
+            let tokens = match kind {
+                MediaKind::Video => defaults.video_tokens,
+                MediaKind::Audio => defaults.audio_tokens,
+                MediaKind::Embeds | MediaKind::Image => defaults.embeds_tokens,
+            };
+            MediaReport {
+                index: 0,
+                kind,
+                id,
+                format: None,
+                width: None,
+                height: None,
+                bytes,
+                tokens: fixed(tokens),
+            }
+        }
+    };
+    report.index = part.index;
+    report.kind = part.kind;
+    if let Some(uuid) = &part.uuid {
+        report.id = MediaId::of_uuid(uuid);
+    }
+    Ok(report)
+}

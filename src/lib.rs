@@ -1,0 +1,36 @@
+//! mmrouter: send each multimodal LLM request to the inference worker that already holds its
+//! KV cache.
+//!
+//! The modules follow the data flow of one request:
+//!
+//! 1. [`request`]: parse the OpenAI body into messages, text and media parts.
+//! 2. [`identity`]: give each image a content identity (xxh3-128 of its bytes).
+//! 3. [`image_header`]: read its size from the file header.
+//! 4. [`tokens`]: estimate the tokens the model spends on it.
+//! 5. [`layout`]: lay the prompt out as KV blocks whose keys carry the image identities.
+//! 6. [`index`]: find which worker holds the longest prefix of those blocks.
+//! 7. [`scoring`]: weigh that against each worker's load and choose.
+//!
+//! [`analysis`] runs steps 1-5 for one body; [`config`] is the router's configuration.
+//! None of these do I/O, so the same code runs natively, in Envoy, in a browser and in any
+//! Wasm host. The shells around the core are behind features: `filter` (proxy-wasm), `web`
+//! (wasm-bindgen), `component` (WIT), `proxy-host` (a Wasmtime host for proxy-wasm modules).
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
+pub mod analysis;
+pub mod config;
+pub mod identity;
+pub mod image_header;
+pub mod index;
+pub mod layout;
+pub mod request;
+pub mod scoring;
+pub mod tokens;
