@@ -114,6 +114,7 @@ impl AnalyzeError {
         match self {
             AnalyzeError::Request(RequestError::TooLarge { .. }) => "too_large",
             AnalyzeError::Request(RequestError::Json(_)) => "bad_json",
+            AnalyzeError::Request(RequestError::Shape(_)) => "bad_shape",
             AnalyzeError::Request(_) => "bad_request",
             AnalyzeError::Profile(_) => "bad_profile",
             AnalyzeError::Media {
@@ -152,19 +153,31 @@ impl fmt::Display for AnalyzeError {
 
 impl std::error::Error for AnalyzeError {}
 
-/// Analyses a body with the profile its model resolves to.
-pub fn analyze(body: &[u8], config: &RouterConfig) -> Result<Analysis, AnalyzeError> {
-    analyze_with(body, config, None)
+/// What a caller can impose on an analysis instead of what the body says.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Overrides<'a> {
+    /// Analyse as if the body named this model (profile rules and key chain follow it).
+    pub model: Option<&'a str>,
+    /// Use this profile instead of the model-name rules.
+    pub profile: Option<&'a Profile>,
 }
 
-/// Analyses a body; `profile` overrides the model-name rules when given.
+/// Analyses a body with the profile its model resolves to.
+pub fn analyze(body: &[u8], config: &RouterConfig) -> Result<Analysis, AnalyzeError> {
+    analyze_with(body, config, Overrides::default())
+}
+
+/// Analyses a body with caller overrides.
 pub fn analyze_with(
     body: &[u8],
     config: &RouterConfig,
-    profile: Option<&Profile>,
+    overrides: Overrides<'_>,
 ) -> Result<Analysis, AnalyzeError> {
-    let request = parse(body, &config.limits).map_err(AnalyzeError::Request)?;
-    let profile = match profile {
+    let mut request = parse(body, &config.limits).map_err(AnalyzeError::Request)?;
+    if let Some(model) = overrides.model {
+        request.model = model.into();
+    }
+    let profile = match overrides.profile {
         Some(p) => p.clone(),
         None => config
             .profiles

@@ -11,7 +11,8 @@
 //! 6. [`index`]: find which worker holds the longest prefix of those blocks.
 //! 7. [`scoring`]: weigh that against each worker's load and choose.
 //!
-//! [`analysis`] runs steps 1-5 for one body; [`config`] is the router's configuration.
+//! [`analysis`] runs steps 1-5 for one body, [`report`] turns that into the `inspect` JSON;
+//! [`config`] is the router's configuration.
 //! None of these do I/O, so the same code runs natively, in Envoy, in a browser and in any
 //! Wasm host. The shells around the core are behind features: `filter` (proxy-wasm), `web`
 //! (wasm-bindgen), `component` (WIT), `proxy-host` (a Wasmtime host for proxy-wasm modules).
@@ -31,6 +32,7 @@ pub mod identity;
 pub mod image_header;
 pub mod index;
 pub mod layout;
+pub mod report;
 pub mod request;
 pub mod scoring;
 pub mod tokens;

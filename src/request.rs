@@ -130,7 +130,10 @@ pub enum RequestError {
     TooManyMedia {
         limit: usize,
     },
+    /// Not JSON at all (syntax error or truncated).
     Json(String),
+    /// JSON, but not the shape of a request (a field of the wrong type).
+    Shape(String),
     MissingField(&'static str),
     /// A content part this parser does not understand, or one that lacks its payload.
     BadPart {
@@ -151,6 +154,7 @@ impl fmt::Display for RequestError {
                 write!(f, "more than {limit} media items in one request")
             }
             RequestError::Json(e) => write!(f, "body is not valid JSON: {e}"),
+            RequestError::Shape(e) => write!(f, "body is not a chat or completions request: {e}"),
             RequestError::MissingField(name) => write!(f, "body has no `{name}`"),
             RequestError::BadPart {
                 message,
@@ -260,8 +264,10 @@ pub fn parse<'a>(body: &'a [u8], limits: &Limits) -> Result<Request<'a>, Request
         });
     }
     check_nesting(body, limits.max_nesting)?;
-    let wire: WireBody<'_> =
-        serde_json::from_slice(body).map_err(|e| RequestError::Json(e.to_string()))?;
+    let wire: WireBody<'_> = serde_json::from_slice(body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => RequestError::Shape(e.to_string()),
+        _ => RequestError::Json(e.to_string()),
+    })?;
     let model = wire.model.ok_or(RequestError::MissingField("model"))?;
     let stream = wire.stream.unwrap_or(false);
     let mut media_count = 0usize;
