@@ -1,0 +1,2 @@
+//! Benchmarks of the prefix index and scoring (being written).
+fn main() {}
