@@ -1,0 +1,294 @@
+//! The filter's plugin configuration: one JSON object.
+//!
+//! ```json
+//! {
+//!   "workers": [{"name": "w0", "address": "10.0.0.5:8000"}, ...],
+//!   "mode": "approximate",
+//!   "paths": ["/v1/chat/completions", "/v1/completions"],
+//!   "destination_header": "x-gateway-destination-endpoint",
+//!   "response_headers": true,
+//!   "state": {"log_slots": 1024, "max_record_blocks": 2048, "sync_period_ms": 1000},
+//!   "block_size": 16, "profiles": {...}, "scoring": {...}, "index": {...},
+//!   "limits": {...}, "media": {...}
+//! }
+//! ```
+//! The filter's own keys are listed above; every other key is a [`RouterConfig`] field and is
+//! validated as such. Unknown keys are refused, naming the key, so that a typo never routes
+//! badly in silence.
+
+use crate::config::{ConfigError, RouterConfig, json_error};
+use serde::Deserialize;
+use std::net::SocketAddr;
+
+/// One inference worker behind the router.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Worker {
+    /// Name in logs, metrics and the `x-mmrouter-worker` response header: 1-64 characters
+    /// of `[A-Za-z0-9_-]`.
+    pub name: String,
+    /// `ip:port` (`[v6]:port` for IPv6) the ORIGINAL_DST cluster connects to.
+    pub address: String,
+}
+
+/// Where worker prefix state comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// From the filter's own routing decisions (no extra service). The default.
+    #[default]
+    Approximate,
+    /// From a sidecar that follows vLLM's KV events (not available yet: refused).
+    Precise,
+}
+
+/// How the filter's VMs share state through proxy-wasm shared data.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StateConfig {
+    /// Slots in the shared decision log (default 1024). A VM that falls more than this many
+    /// decisions behind skips the oldest; raise it for very high request rates per sync.
+    pub log_slots: u32,
+    /// Most block keys recorded per decision (default 2048 = 32k tokens at block size 16):
+    /// bounds one log record at 8 bytes × this, and the whole log at `log_slots` × that.
+    pub max_record_blocks: u32,
+    /// How often each VM replays new decisions on its tick even without traffic
+    /// (default 1000 ms; every routed request also replays first).
+    pub sync_period_ms: u64,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            log_slots: 1024,
+            max_record_blocks: 2048,
+            sync_period_ms: 1000,
+        }
+    }
+}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FilterConfig {
+    pub workers: Vec<Worker>,
+    pub mode: Mode,
+    /// Request paths (query string ignored) whose POST bodies are routed (default
+    /// `/v1/chat/completions` and `/v1/completions`). Other requests pass through untouched.
+    pub paths: Vec<String>,
+    /// Header the ORIGINAL_DST cluster reads (default `x-gateway-destination-endpoint`).
+    pub destination_header: String,
+    /// Add `x-mmrouter-worker` and `x-mmrouter-overlap` to responses (default true).
+    pub response_headers: bool,
+    pub state: StateConfig,
+    pub router: RouterConfig,
+}
+
+const FILTER_KEYS: [&str; 6] = [
+    "workers",
+    "mode",
+    "paths",
+    "destination_header",
+    "response_headers",
+    "state",
+];
+
+impl FilterConfig {
+    /// Parses and validates the plugin configuration.
+    pub fn from_json(text: &[u8]) -> Result<FilterConfig, ConfigError> {
+        let value: serde_json::Value = serde_json::from_slice(text).map_err(|e| json_error(&e))?;
+        let serde_json::Value::Object(mut map) = value else {
+            return Err(ConfigError::new("(document)", "must be a JSON object"));
+        };
+        let mut take = |key: &str| map.remove(key);
+        let workers: Vec<Worker> = match take("workers") {
+            Some(v) => field("workers", v)?,
+            None => return Err(ConfigError::new("workers", "is required")),
+        };
+        let mode: Mode = match take("mode") {
+            Some(v) => field("mode", v)?,
+            None => Mode::default(),
+        };
+        let paths: Vec<String> = match take("paths") {
+            Some(v) => field("paths", v)?,
+            None => vec!["/v1/chat/completions".into(), "/v1/completions".into()],
+        };
+        let destination_header: String = match take("destination_header") {
+            Some(v) => field("destination_header", v)?,
+            None => "x-gateway-destination-endpoint".into(),
+        };
+        let response_headers: bool = match take("response_headers") {
+            Some(v) => field("response_headers", v)?,
+            None => true,
+        };
+        let state: StateConfig = match take("state") {
+            Some(v) => field("state", v)?,
+            None => StateConfig::default(),
+        };
+        debug_assert!(FILTER_KEYS.iter().all(|k| !map.contains_key(*k)));
+        let router: RouterConfig =
+            serde_json::from_value(serde_json::Value::Object(map)).map_err(|e| json_error(&e))?;
+        let config = FilterConfig {
+            workers,
+            mode,
+            paths,
+            destination_header: destination_header.to_ascii_lowercase(),
+            response_headers,
+            state,
+            router,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.workers.is_empty() {
+            return Err(ConfigError::new("workers", "needs at least one worker"));
+        }
+        if self.workers.len() > 4096 {
+            return Err(ConfigError::new("workers", "at most 4096 workers"));
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            let ok_name = !w.name.is_empty()
+                && w.name.len() <= 64
+                && w.name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !ok_name {
+                return Err(ConfigError::new(
+                    format!("workers[{i}].name"),
+                    format!("`{}` must be 1-64 characters of [A-Za-z0-9_-]", w.name),
+                ));
+            }
+            if w.address.parse::<SocketAddr>().is_err() {
+                return Err(ConfigError::new(
+                    format!("workers[{i}].address"),
+                    format!(
+                        "`{}` is not ip:port (ORIGINAL_DST needs an IP address, not a host name)",
+                        w.address
+                    ),
+                ));
+            }
+            if self.workers.iter().take(i).any(|o| o.name == w.name) {
+                return Err(ConfigError::new(
+                    format!("workers[{i}].name"),
+                    format!("`{}` is used twice", w.name),
+                ));
+            }
+        }
+        if self.mode == Mode::Precise {
+            return Err(ConfigError::new(
+                "mode",
+                "`precise` needs the KV-event sidecar, which this build does not have; use `approximate`",
+            ));
+        }
+        if self.paths.is_empty() || self.paths.iter().any(|p| !p.starts_with('/')) {
+            return Err(ConfigError::new(
+                "paths",
+                "needs one or more paths starting with `/`",
+            ));
+        }
+        let header_ok = !self.destination_header.is_empty()
+            && self
+                .destination_header
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !header_ok {
+            return Err(ConfigError::new(
+                "destination_header",
+                "must be a header name",
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.state.log_slots) {
+            return Err(ConfigError::new("state.log_slots", "must be 1..=1048576"));
+        }
+        if !(1..=1 << 16).contains(&self.state.max_record_blocks) {
+            return Err(ConfigError::new(
+                "state.max_record_blocks",
+                "must be 1..=65536",
+            ));
+        }
+        if self.state.sync_period_ms == 0 {
+            return Err(ConfigError::new("state.sync_period_ms", "must be > 0"));
+        }
+        self.router.validate()
+    }
+
+    /// Whether a request path (possibly with a query string) is one the filter routes.
+    pub fn routes_path(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or(path);
+        self.paths.iter().any(|p| p == path)
+    }
+}
+
+fn field<T: serde::de::DeserializeOwned>(
+    name: &str,
+    value: serde_json::Value,
+) -> Result<T, ConfigError> {
+    serde_json::from_value(value).map_err(|e| {
+        let inner = json_error(&e);
+        let field = if inner.field == "(document)" {
+            name.to_string()
+        } else {
+            format!("{name}.{}", inner.field)
+        };
+        ConfigError::new(field, inner.message)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err_field(json: &str) -> String {
+        match FilterConfig::from_json(json.as_bytes()) {
+            Ok(_) => "(accepted)".into(),
+            Err(e) => e.field,
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c =
+            FilterConfig::from_json(br#"{"workers":[{"name":"w0","address":"127.0.0.1:8001"}]}"#)
+                .expect("valid");
+        assert_eq!(c.mode, Mode::Approximate);
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        assert!(c.routes_path("/v1/chat/completions?x=1"));
+        assert!(!c.routes_path("/v1/models"));
+        assert_eq!(c.router, RouterConfig::default());
+    }
+
+    #[test]
+    fn invalid_configs_name_the_field() {
+        assert_eq!(err_field(r#"{}"#), "workers");
+        assert_eq!(err_field(r#"{"workers":[]}"#), "workers");
+        assert_eq!(
+            err_field(r#"{"workers":[{"name":"w0","address":"localhost:80"}]}"#),
+            "workers[0].address"
+        );
+        assert_eq!(
+            err_field(
+                r#"{"workers":[{"name":"a","address":"1.2.3.4:1"},{"name":"a","address":"1.2.3.4:2"}]}"#
+            ),
+            "workers[1].name"
+        );
+        assert_eq!(
+            err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"mode":"precise"}"#),
+            "mode"
+        );
+        assert_eq!(
+            err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"blok_size":16}"#),
+            "blok_size"
+        );
+        assert_eq!(
+            err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"block_size":0}"#),
+            "block_size"
+        );
+        assert_eq!(
+            err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"state":{"log_slot":3}}"#),
+            "state.log_slot"
+        );
+        assert_eq!(err_field("[1]"), "(document)");
+        assert_eq!(err_field("{"), "(document)");
+    }
+}

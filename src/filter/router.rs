@@ -1,0 +1,358 @@
+//! One VM's router: its view of the workers' prefix state, and the decision for one body.
+//!
+//! Host-independent: it talks to shared data through [`SharedStore`], and takes the time and a
+//! random number as arguments, so every path is tested natively and the proxy-wasm shell only
+//! moves bytes between Envoy and this type.
+
+use super::config::FilterConfig;
+use super::shared_state::{SharedState, SharedStore, SyncStats, generation};
+use crate::analysis::{Analysis, AnalyzeError, analyze};
+use crate::index::PrefixIndex;
+use crate::scoring::{WorkerLoad, choose};
+
+/// Why a request was routed without its cache affinity (to the least-loaded worker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// The body could not be analysed: [`AnalyzeError::reason`] (`bad_json`, `bad_image`, ...).
+    Analyze(&'static str),
+    /// The body was larger than `limits.max_body_bytes`.
+    TooLarge,
+    /// A routed path with no body.
+    NoBody,
+}
+
+impl Fallback {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Fallback::Analyze(r) => r,
+            Fallback::TooLarge => "too_large",
+            Fallback::NoBody => "no_body",
+        }
+    }
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub worker: usize,
+    pub matched_blocks: usize,
+    pub total_blocks: usize,
+    /// Prompt tokens the worker still has to prefill (estimate), released at first byte.
+    pub prefill_tokens: u64,
+    /// Media items in the request.
+    pub media: usize,
+    pub fallback: Option<Fallback>,
+    /// False when the shared load or log could not be updated (counted, not fatal).
+    pub recorded: bool,
+}
+
+/// A VM's router.
+#[derive(Debug)]
+pub struct Router {
+    pub config: FilterConfig,
+    shared: SharedState,
+    index: PrefixIndex,
+    cursor: u64,
+    matched: Vec<usize>,
+    started: bool,
+}
+
+impl Router {
+    pub fn new(config: FilterConfig) -> Router {
+        let addresses: Vec<&str> = config.workers.iter().map(|w| w.address.as_str()).collect();
+        let shared = SharedState::new(
+            generation(&addresses, config.state.log_slots),
+            config.workers.len(),
+            config.state.log_slots,
+        );
+        let index = PrefixIndex::new(config.router.index.clone(), config.workers.len());
+        Router {
+            config,
+            shared,
+            index,
+            cursor: 0,
+            matched: Vec::new(),
+            started: false,
+        }
+    }
+
+    pub fn workers(&self) -> usize {
+        self.config.workers.len()
+    }
+
+    /// Replays decisions other VMs (and this one) logged since the last sync.
+    pub fn sync(&mut self, store: &dyn SharedStore) -> SyncStats {
+        if !self.started {
+            self.cursor = self.shared.start_cursor(store);
+            self.started = true;
+        }
+        let index = &mut self.index;
+        let workers = self.config.workers.len();
+        self.shared.replay(store, &mut self.cursor, |record| {
+            let worker = record.worker as usize;
+            if worker < workers {
+                index.insert(worker, &record.keys, record.time_ms);
+            }
+        })
+    }
+
+    /// Decides where a complete body goes, and records the decision in shared state.
+    pub fn route(
+        &mut self,
+        body: &[u8],
+        store: &dyn SharedStore,
+        now_ms: u64,
+        random: u64,
+    ) -> (Decision, Option<Analysis>) {
+        if body.len() > self.config.router.limits.max_body_bytes {
+            return (self.fallback(Fallback::TooLarge, store, random), None);
+        }
+        let analysis = match analyze(body, &self.config.router) {
+            Ok(a) => a,
+            Err(e) => {
+                let reason = AnalyzeError::reason(&e);
+                return (
+                    self.fallback(Fallback::Analyze(reason), store, random),
+                    None,
+                );
+            }
+        };
+        let decision = self.route_analysis(&analysis, store, now_ms, random);
+        (decision, Some(analysis))
+    }
+
+    /// Routing of an analysed request: prefix match, load, choice, record.
+    pub fn route_analysis(
+        &mut self,
+        analysis: &Analysis,
+        store: &dyn SharedStore,
+        now_ms: u64,
+        random: u64,
+    ) -> Decision {
+        self.sync(store);
+        let keys = &analysis.layout.keys;
+        let max = self.config.state.max_record_blocks as usize;
+        let keys = keys.get(..max.min(keys.len())).unwrap_or(keys);
+        self.index.match_prefix(keys, now_ms, &mut self.matched);
+        let loads = self.shared.loads(store);
+        let total = keys.len();
+        let choice = choose(
+            total,
+            &self.matched,
+            &loads,
+            &self.config.router.scoring,
+            random,
+        );
+        let (worker, matched) = match choice {
+            Some(c) => (c.worker, c.matched_blocks),
+            None => (least_loaded(&loads, random), 0),
+        };
+        let block_size = analysis.layout.block_size as u64;
+        let prefill =
+            (analysis.layout.prompt_tokens as u64).saturating_sub(matched as u64 * block_size);
+        let logged = self
+            .shared
+            .append(store, worker as u32, now_ms, keys)
+            .is_ok();
+        let loaded = self.shared.add_load(store, worker, 1, prefill as i64);
+        Decision {
+            worker,
+            matched_blocks: matched,
+            total_blocks: total,
+            prefill_tokens: prefill,
+            media: analysis.media.len(),
+            fallback: None,
+            recorded: logged && loaded,
+        }
+    }
+
+    fn fallback(&mut self, why: Fallback, store: &dyn SharedStore, random: u64) -> Decision {
+        let loads = self.shared.loads(store);
+        let worker = least_loaded(&loads, random);
+        let recorded = self.shared.add_load(store, worker, 1, 0);
+        Decision {
+            worker,
+            matched_blocks: 0,
+            total_blocks: 0,
+            prefill_tokens: 0,
+            media: 0,
+            fallback: Some(why),
+            recorded,
+        }
+    }
+
+    /// Routes a request that will not be analysed (no body, or over the size limit).
+    pub fn route_without_body(
+        &mut self,
+        why: Fallback,
+        store: &dyn SharedStore,
+        random: u64,
+    ) -> Decision {
+        self.fallback(why, store, random)
+    }
+
+    /// The worker's prefill is done (first response byte): release its prefill tokens.
+    pub fn prefill_done(&self, store: &dyn SharedStore, worker: usize, prefill_tokens: u64) {
+        if prefill_tokens > 0 {
+            self.shared
+                .add_load(store, worker, 0, -(prefill_tokens as i64));
+        }
+    }
+
+    /// The stream ended (completed or reset): release what is left of its load.
+    pub fn finished(&self, store: &dyn SharedStore, worker: usize, prefill_tokens: u64) -> bool {
+        self.shared
+            .add_load(store, worker, -1, -(prefill_tokens as i64))
+    }
+
+    /// Every worker's router-side load, as the shared table has it.
+    pub fn loads(&self, store: &dyn SharedStore) -> Vec<WorkerLoad> {
+        self.shared.loads(store)
+    }
+}
+
+/// The worker with the fewest in-flight requests (then fewest prefill tokens); ties broken by
+/// `random` so that an idle cluster is spread evenly.
+pub fn least_loaded(loads: &[WorkerLoad], random: u64) -> usize {
+    let best = loads
+        .iter()
+        .map(|l| (l.inflight, l.prefill_tokens))
+        .min()
+        .unwrap_or((0, 0));
+    let ties: Vec<usize> = loads
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| (l.inflight, l.prefill_tokens) == best)
+        .map(|(i, _)| i)
+        .collect();
+    if ties.is_empty() {
+        return 0;
+    }
+    ties.get((random % ties.len() as u64) as usize)
+        .copied()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::shared_state::MemoryStore;
+    use super::*;
+    use base64::Engine as _;
+
+    fn config(workers: usize) -> FilterConfig {
+        let ws: Vec<String> = (0..workers)
+            .map(|i| format!(r#"{{"name":"w{i}","address":"127.0.0.1:{}"}}"#, 8000 + i))
+            .collect();
+        FilterConfig::from_json(format!(r#"{{"workers":[{}]}}"#, ws.join(",")).as_bytes())
+            .expect("config")
+    }
+
+    /// A PNG whose header says `w`×`h`: signature, IHDR, a short IDAT and IEND (the pixels
+    /// are not valid, which header reading must not care about).
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let mut v = vec![0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a];
+        let mut ihdr = Vec::new();
+        ihdr.extend_from_slice(&w.to_be_bytes());
+        ihdr.extend_from_slice(&h.to_be_bytes());
+        ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+        chunk(&mut v, b"IHDR", &ihdr);
+        chunk(&mut v, b"IDAT", &[0x78, 0x9c, 0x03, 0x00]);
+        chunk(&mut v, b"IEND", &[]);
+        v
+    }
+
+    fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let start = out.len();
+        out.extend_from_slice(kind);
+        out.extend_from_slice(data);
+        let crc = crc32(&out[start..]);
+        out.extend_from_slice(&crc.to_be_bytes());
+    }
+
+    fn crc32(data: &[u8]) -> u32 {
+        let mut crc = 0xffff_ffffu32;
+        for &b in data {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = if crc & 1 != 0 {
+                    (crc >> 1) ^ 0xedb8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+
+    fn body(image: &[u8], text: &str) -> Vec<u8> {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(image);
+        format!(
+            r#"{{"model":"Qwen/Qwen2.5-VL-7B-Instruct","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn same_image_goes_back_to_the_worker_that_has_it_even_from_another_vm() {
+        let store = MemoryStore::default();
+        let mut vm1 = Router::new(config(4));
+        let mut vm2 = Router::new(config(4));
+        let b = body(&png(640, 480), "what is this");
+        let (first, _) = vm1.route(&b, &store, 1000, 3);
+        assert_eq!(first.fallback, None);
+        assert!(first.total_blocks > 10);
+        assert_eq!(first.matched_blocks, 0);
+        vm1.finished(&store, first.worker, first.prefill_tokens);
+        let (second, _) = vm2.route(&b, &store, 2000, 1);
+        assert_eq!(second.worker, first.worker);
+        assert_eq!(second.matched_blocks, second.total_blocks);
+    }
+
+    #[test]
+    fn load_is_counted_and_released() {
+        let store = MemoryStore::default();
+        let mut vm = Router::new(config(2));
+        let (d, _) = vm.route(&body(&png(100, 100), "x"), &store, 0, 0);
+        let loads = vm.loads(&store);
+        assert_eq!(loads[d.worker].inflight, 1);
+        assert_eq!(loads[d.worker].prefill_tokens, d.prefill_tokens);
+        vm.prefill_done(&store, d.worker, d.prefill_tokens);
+        assert_eq!(vm.loads(&store)[d.worker].prefill_tokens, 0);
+        vm.finished(&store, d.worker, 0);
+        assert_eq!(vm.loads(&store)[d.worker].inflight, 0);
+    }
+
+    #[test]
+    fn bad_bodies_fall_back_to_the_least_loaded_worker() {
+        let store = MemoryStore::default();
+        let mut vm = Router::new(config(3));
+        let (busy, _) = vm.route(&body(&png(64, 64), "a"), &store, 0, 0);
+        let (d, a) = vm.route(b"not json", &store, 0, 0);
+        assert_eq!(d.fallback, Some(Fallback::Analyze("bad_json")));
+        assert!(a.is_none());
+        assert_ne!(d.worker, busy.worker, "least loaded, not the busy one");
+        let mut corrupt = png(64, 64);
+        corrupt.truncate(20);
+        let (d, _) = vm.route(&body(&corrupt, "a"), &store, 0, 0);
+        assert_eq!(d.fallback, Some(Fallback::Analyze("bad_image")));
+        let mut small = config(3);
+        small.router.limits.max_body_bytes = 10;
+        let mut vm = Router::new(small);
+        let (d, _) = vm.route(&body(&png(64, 64), "a"), &store, 0, 0);
+        assert_eq!(d.fallback, Some(Fallback::TooLarge));
+    }
+
+    #[test]
+    fn least_loaded_spreads_ties() {
+        let loads = vec![WorkerLoad::default(); 4];
+        let picks: std::collections::HashSet<usize> =
+            (0..16).map(|r| least_loaded(&loads, r)).collect();
+        assert_eq!(picks.len(), 4);
+        let mut loads = loads;
+        loads[0].inflight = 1;
+        loads[1].inflight = 1;
+        loads[2].inflight = 1;
+        assert_eq!(least_loaded(&loads, 12345), 3);
+    }
+}
