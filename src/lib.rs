@@ -28,6 +28,7 @@
 
 pub mod analysis;
 pub mod config;
+pub mod filter;
 pub mod identity;
 pub mod image_header;
 pub mod index;
