@@ -65,6 +65,20 @@ impl Body for MockBody {
             MockBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
         }
     }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, MockBody::Full(None))
+    }
+
+    /// Exact for a full body, so that hyper sends `content-length` instead of chunks.
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            MockBody::Full(b) => {
+                hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            MockBody::Stream(_) => hyper::body::SizeHint::default(),
+        }
+    }
 }
 
 /// An OpenAI-style error response.
@@ -155,6 +169,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
+            biased;
             _ = &mut shutdown => break,
             a = listener.accept() => a,
         };

@@ -68,6 +68,7 @@ async fn run(cfg: Config) -> Result<(), String> {
         .name
         .clone()
         .unwrap_or_else(|| format!("mock-{}", addr.port()));
+    let shutdown = shutdown_signal();
     let engine = Engine::new(EngineConfig {
         block_size: cfg.block_size,
         num_gpu_blocks: cfg.num_gpu_blocks,
@@ -100,7 +101,7 @@ async fn run(cfg: Config) -> Result<(), String> {
         cfg.max_num_seqs,
         cfg.time_scale
     );
-    http::serve(listener, app, shutdown_signal()).await;
+    http::serve(listener, app, shutdown).await;
     // Stop accepting, then give in-flight requests up to 5 s to finish.
     eprintln!("[{name}] shutting down");
     for _ in 0..100 {
@@ -113,19 +114,21 @@ async fn run(cfg: Config) -> Result<(), String> {
     Ok(())
 }
 
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Registers SIGINT and SIGTERM handlers now (so a signal sent as soon as the worker says it
+/// listens is not missed) and returns a future that completes on either.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
-        // No signal handling available: fall back to ctrl-c only.
-        let _ = tokio::signal::ctrl_c().await;
-        return;
-    };
-    tokio::select! {
-        _ = int.recv() => {}
-        _ = term.recv() => {}
+    let int = signal(SignalKind::interrupt());
+    let term = signal(SignalKind::terminate());
+    async move {
+        let (Ok(mut int), Ok(mut term)) = (int, term) else {
+            // No signal handling available: fall back to ctrl-c only.
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
     }
 }
