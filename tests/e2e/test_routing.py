@@ -1,0 +1,181 @@
+"""mmrouter in a real Envoy in front of mock vLLM workers: the behaviours users rely on."""
+import concurrent.futures
+import json
+import re
+import socket
+import threading
+
+import pytest
+
+from conftest import chat, data_url, png
+from stack import Stack
+
+
+def overlap(headers):
+    m = re.fullmatch(r"(\d+)/(\d+)", headers.get("x-mmrouter-overlap", ""))
+    assert m, f"no x-mmrouter-overlap header: {dict(headers)}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def cached(body):
+    details = json.loads(body)["usage"].get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
+
+
+def test_same_image_twice_lands_on_the_same_worker_and_hits_its_cache(stack):
+    body = chat(png(640, 480, seed=1))
+    s1, h1, b1 = stack.post(body)
+    s2, h2, b2 = stack.post(body)
+    assert (s1, s2) == (200, 200)
+    # The worker that answered is the one the router chose.
+    assert h1["x-mock-worker"] == h1["x-mmrouter-worker"]
+    assert h2["x-mock-worker"] == h1["x-mock-worker"]
+    m1, total1 = overlap(h1)
+    m2, total2 = overlap(h2)
+    assert total1 == total2 and total1 > 10
+    assert m1 <= total1 // 10, "first sight of the image: (almost) nothing cached"
+    assert m2 >= total2 - 1, "second time: the whole prefix is on the chosen worker"
+    usage = json.loads(b2)["usage"]
+    assert cached(b2) >= 0.9 * usage["prompt_tokens"]
+    assert cached(b1) < 0.1 * usage["prompt_tokens"]
+
+
+def test_different_images_spread_across_workers(stack):
+    # Sent together, the router sees each worker's in-flight load and spreads them.
+    bodies = [chat(png(320, 240, seed=100 + i)) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(stack.post, bodies))
+    assert all(status == 200 for status, _, _ in results)
+    workers = {h["x-mock-worker"] for _, h, _ in results}
+    assert len(workers) >= 3, workers
+    # And each image then stays where it went.
+    for body, (_, h, _) in zip(bodies, results):
+        _, again, _ = stack.post(body)
+        assert again["x-mock-worker"] == h["x-mock-worker"]
+
+
+def test_a_client_cannot_steer_the_request(stack):
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.settimeout(0.5)
+    hits = []
+
+    def accept():
+        try:
+            conn, _ = trap.accept()
+            hits.append(conn)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    target = f"127.0.0.1:{trap.getsockname()[1]}"
+    status, h, _ = stack.post(chat(png(64, 64, seed=7)), headers={
+        "x-gateway-destination-endpoint": target,
+        "x-envoy-original-dst-host": target,
+    })
+    t.join()
+    trap.close()
+    assert status == 200
+    assert hits == [], "the client-chosen address received a connection"
+    assert h["x-mock-worker"] in {n for n, _ in stack.workers}
+    # Also on paths the filter does not route.
+    status, h, _ = stack.post(b"{}", path="/v1/embeddings", headers={"x-gateway-destination-endpoint": target})
+    assert h.get("x-mock-worker") in {n for n, _ in stack.workers}
+
+
+@pytest.mark.parametrize("body,reason", [
+    (b"{not json", "bad_json"),
+    (json.dumps(chat(b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR\x00")).encode(), "bad_image"),
+])
+def test_bodies_the_router_cannot_use_are_still_answered_and_counted(stack, body, reason):
+    status, h, _ = stack.post(body)
+    # Routed to a worker (which answers 400 for what vLLM would refuse), never a proxy 5xx.
+    assert h.get("x-mock-worker") in {n for n, _ in stack.workers}, dict(h)
+    assert status < 500
+    assert f'mmrouter_fallback{{reason="{reason}"}}' in stack.stats()
+    status, h, _ = stack.post(chat(png(96, 96, seed=8)))
+    assert status == 200 and h["x-mmrouter-worker"] == h["x-mock-worker"]
+
+
+def test_a_body_without_images_is_routed_by_its_text_prefix(stack):
+    long_text = "You are a careful assistant. " * 40
+    body = {"model": "Qwen/Qwen2.5-VL-7B-Instruct", "max_tokens": 4,
+            "messages": [{"role": "system", "content": long_text}, {"role": "user", "content": "hi"}]}
+    s1, h1, _ = stack.post(body)
+    s2, h2, b2 = stack.post(body)
+    assert (s1, s2) == (200, 200)
+    assert h2["x-mock-worker"] == h1["x-mock-worker"]
+    matched, total = overlap(h2)
+    assert matched == total > 0
+
+
+def test_an_oversize_body_gets_413_and_the_next_request_still_routes():
+    stack = Stack(workers=2, buffer_limit=256 * 1024)
+    try:
+        big = chat(png(8, 8, seed=1), text="x" * (400 * 1024))
+        status, _, _ = stack.post(big)
+        assert status == 413
+        status, h, _ = stack.post(chat(png(32, 32, seed=2)))
+        assert status == 200 and h["x-mmrouter-worker"] == h["x-mock-worker"]
+    finally:
+        stack.close()
+
+
+def test_a_body_over_the_filter_limit_falls_back_to_the_least_loaded_worker():
+    stack = Stack(workers=2, plugin_config={"limits": {"max_body_bytes": 4096}})
+    try:
+        status, h, _ = stack.post(chat(png(64, 64, seed=3), text="y" * 8000))
+        assert status == 200 and h["x-mock-worker"] in ("w0", "w1")
+        assert 'mmrouter_fallback{reason="too_large"}' in stack.stats()
+    finally:
+        stack.close()
+
+
+def test_streaming_passes_through_with_usage(stack):
+    body = chat(png(200, 100, seed=9), stream=True, stream_options={"include_usage": True})
+    status, h, raw = stack.post(body)
+    assert status == 200
+    assert h["content-type"].startswith("text/event-stream")
+    assert h["x-mmrouter-worker"] == h["x-mock-worker"]
+    events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks)
+    assert chunks[-1]["usage"]["prompt_tokens"] > 0
+
+
+def test_the_official_openai_client_works_through_the_router(stack):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    image = png(480, 360, seed=11)
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image), "detail": "high"}},
+        {"type": "text", "text": "Describe it."}]}]
+    workers = []
+    for _ in range(2):
+        raw = client.chat.completions.with_raw_response.create(
+            model="Qwen/Qwen2.5-VL-7B-Instruct", messages=messages, max_tokens=8)
+        reply = raw.parse()
+        assert reply.choices[0].message.content
+        workers.append(raw.headers["x-mmrouter-worker"])
+    assert workers[0] == workers[1]
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0.9 * reply.usage.prompt_tokens
+    stream = client.chat.completions.create(
+        model="Qwen/Qwen2.5-VL-7B-Instruct", messages=messages, max_tokens=8, stream=True,
+        stream_options={"include_usage": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["Qwen/Qwen2.5-VL-7B-Instruct"]
+
+
+def test_metrics_and_routing_log_are_visible(stack):
+    stack.post(chat(png(128, 128, seed=12)))
+    stats = stack.stats()
+    routed = dict(re.findall(r'mmrouter_routed\{worker="(w\d)"\} (\d+)', stats))
+    assert set(routed) == {"w0", "w1", "w2", "w3"}
+    assert sum(int(v) for v in routed.values()) >= 1
+    assert re.search(r"mmrouter_images\{\} [1-9]", stats)
+    assert re.search(r"\[ROUTING\] Best: w\d with \d+/\d+ blocks overlap", stack.log())
