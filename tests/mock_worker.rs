@@ -245,8 +245,11 @@ fn prompt_tokens(resp: &Value) -> u64 {
 
 // ---- Prometheus text ------------------------------------------------------------------------
 
+/// One sample: metric name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
 struct Metrics {
-    samples: Vec<(String, Vec<(String, String)>, f64)>,
+    samples: Vec<Sample>,
 }
 
 impl Metrics {

@@ -390,7 +390,11 @@ async fn generate(
         let (tx, rx) = mpsc::channel::<Bytes>(32);
         let app = app.clone();
         tokio::spawn(async move {
-            let ticket = app.engine.submit(prepared).await;
+            // A client that leaves while queued gives its place up.
+            let ticket = tokio::select! {
+                t = app.engine.submit(prepared) => t,
+                _ = tx.closed() => return,
+            };
             run_stream(&app, ticket, &meta, include_usage, tx).await;
         });
         let mut r = Response::new(MockBody::Stream(rx));

@@ -70,9 +70,8 @@ pub fn render(request: &Request<'_>, images: &[PlacedImage]) -> Rendered {
                         length: len,
                     });
                     tokens.extend(std::iter::repeat_n(IMAGE_PAD, len));
-                    for _ in 1..markers {
-                        tokens.push(VISION_END);
-                    }
+                    let after = markers.saturating_sub(1) as usize;
+                    tokens.extend(std::iter::repeat_n(VISION_END, after));
                 }
             }
         }
