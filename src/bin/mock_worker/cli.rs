@@ -135,6 +135,24 @@ fn at_least_one<T: std::str::FromStr + PartialOrd + From<u8>>(
     }
 }
 
+/// Every flag that takes a value.
+const FLAGS: &[&str] = &[
+    "--host",
+    "--port",
+    "--name",
+    "--model",
+    "--profile",
+    "--block-size",
+    "--num-gpu-blocks",
+    "--max-num-seqs",
+    "--prefill-tokens-per-sec",
+    "--decode-tokens-per-sec",
+    "--encoder-ms-per-image",
+    "--time-scale",
+    "--mm-cache-items",
+    "--default-max-tokens",
+];
+
 /// Parses the arguments after the program name.
 pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, CliError> {
     let mut c = Config::default();
@@ -149,6 +167,9 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, Cl
         };
         if !flag.starts_with("--") {
             return Err(CliError(format!("unexpected argument `{arg}`")));
+        }
+        if !FLAGS.contains(&flag.as_str()) {
+            return Err(CliError(format!("unknown option `{flag}`")));
         }
         let value = match inline {
             Some(v) => v,
@@ -207,7 +228,10 @@ mod tests {
         assert!(parse_args(args("--block-size 0")).is_err());
         assert!(parse_args(args("--decode-tokens-per-sec 0")).is_err());
         assert!(parse_args(args("--time-scale -1")).is_err());
-        assert!(parse_args(args("--bogus 1")).is_err());
+        assert_eq!(
+            parse_args(args("--bogus")),
+            Err(CliError("unknown option `--bogus`".into()))
+        );
         assert!(parse_args(args("--port")).is_err());
         assert!(parse_args(args("stray")).is_err());
     }
