@@ -37,3 +37,9 @@ pub mod report;
 pub mod request;
 pub mod scoring;
 pub mod tokens;
+#[cfg(any(feature = "web", feature = "component"))]
+pub mod shell;
+#[cfg(feature = "web")]
+pub mod web;
+#[cfg(feature = "component")]
+pub mod component;
