@@ -135,10 +135,9 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
                         key: placed.key,
                     });
                     tokens.resize(tokens.len() + len, MEDIA_PAD);
-                    // Markers beyond the first pair (rare) are counted as end markers.
-                    for _ in 1..markers {
-                        tokens.push(MEDIA_END);
-                    }
+                    // The end marker; markers beyond the first pair (rare) count as more of them.
+                    let ends = markers.saturating_sub(1) as usize;
+                    tokens.resize(tokens.len() + ends, MEDIA_END);
                 }
             }
         }
