@@ -116,6 +116,12 @@ mod tests {
     }
 
     #[test]
+    fn printed_defaults_read_back_as_the_defaults() {
+        let text = serde_json::to_vec(&RouterConfig::default()).expect("serialises");
+        assert_eq!(RouterConfig::from_json(&text), Ok(RouterConfig::default()));
+    }
+
+    #[test]
     fn bad_fields_are_named() {
         let e = RouterConfig::from_json(br#"{"block_sise":16}"#).err();
         assert_eq!(e.map(|e| e.field), Some("block_sise".to_string()));

@@ -2,10 +2,13 @@
 //!
 //! ```text
 //! mmrouter inspect [--model NAME] [--profile SPEC] [--config FILE] [FILE|-]
+//! mmrouter defaults
 //! ```
 //! reads one chat-completions (or completions) body and prints one JSON object: the images
 //! with their identity, size and tokens, and the prompt's KV blocks (see `mmrouter::report`).
 //! On bad input it exits with status 1 and prints one line naming the problem.
+//! `defaults` prints the router configuration with every field at its default: the complete,
+//! current reference of the knobs (the filter's plugin configuration takes the same fields).
 
 use mmrouter::analysis::{Overrides, analyze_with};
 use mmrouter::config::RouterConfig;
@@ -24,7 +27,9 @@ const USAGE: &str =
   --model NAME     analyse as if the body named this model
   --profile SPEC   token profile instead of the model-name rules (qwen2.5-vl, qwen3-vl,
                    gemma3, gemma4[:BUDGET], llava, internvl, fixed:N, factor:F)
-  --config FILE    router configuration JSON (block_size, profiles, limits, ...)";
+  --config FILE    router configuration JSON (block_size, profiles, limits, ...)
+
+  `mmrouter defaults` prints that configuration with every field at its default.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -56,6 +61,10 @@ fn run(args: &[String]) -> Result<String, Failure> {
     let mut it = args.iter();
     match it.next().map(String::as_str) {
         Some("inspect") => {}
+        Some("defaults") => {
+            return serde_json::to_string_pretty(&RouterConfig::default())
+                .map_err(|e| Failure::Input(e.to_string()));
+        }
         Some("-h" | "--help" | "help") | None => return Err(Failure::Usage(String::new())),
         Some(other) => return Err(Failure::Usage(format!("unknown command `{other}`"))),
     }
