@@ -82,10 +82,7 @@ impl RootContext for FilterRoot {
         let config = match FilterConfig::from_json(&bytes) {
             Ok(c) => c,
             Err(e) => {
-                log(
-                    LogLevel::Error,
-                    &format!("invalid configuration: {e}"),
-                );
+                log(LogLevel::Error, &format!("invalid configuration: {e}"));
                 return false;
             }
         };
