@@ -75,17 +75,18 @@
 //! * WebP: [`image_webp`] 0.2, `WebPDecoder::new` (no features). It reads the RIFF chunk headers
 //!   (seeking over data), the VP8/VP8L frame header or the VP8X canvas; its `unwrap`s on this
 //!   path are guarded by earlier checks, and the only allocations are a small chunk map and the
-//!   6-byte `ANIM` chunk (about 120 bytes per call, measured). The EXIF/XMP chunks are found by a slice walk instead of its
-//!   `exif_metadata()`, which copies the chunk into a `Vec`.
+//!   6-byte `ANIM` chunk (about 120 bytes per call, measured). The EXIF/XMP chunks are found
+//!   by a slice walk instead of its `exif_metadata()`, which copies the chunk into a `Vec`.
 //! * JPEG: hand-written marker walker, and neither JPEG crate. `jpeg-decoder` 0.3 is deprecated
 //!   upstream in favour of `zune-jpeg`. `zune-jpeg` 0.5 `decode_headers` parses and allocates the
 //!   Huffman and quantisation tables and copies ICC/EXIF/XMP segments into `Vec`s, its defaults
 //!   pull in SIMD features, and it rejects SOF3, SOF5-7 and the arithmetic-coded SOF9-15 that
 //!   Pillow (libjpeg-turbo) opens, so it would report errors for files vLLM accepts. Finding the
 //!   size is a segment walk up to SOS, which we need anyway to find the EXIF APP1 segment; doing
-//!   it once over the slice costs no allocation (0 bytes, about 50 ns per header, measured). The walker follows Pillow's loop: fill bytes
-//!   (`FF FF`), stray `FF 00` and non-`FF` junk between segments are skipped, standalone markers
-//!   (RSTn, TEM, SOI) carry no length, and an unknown marker is an error.
+//!   it once over the slice costs no allocation (0 bytes, about 50 ns per header, measured).
+//!   The walker follows Pillow's loop: fill bytes (`FF FF`), stray `FF 00` and non-`FF` junk
+//!   between segments are skipped, standalone markers (RSTn, TEM, SOI) carry no length, and an
+//!   unknown marker is an error.
 //!
 //! All three crates build for `wasm32-unknown-unknown`, `wasm32-wasip1` and `wasm32-wasip2`
 //! (no threads, no filesystem, no C).
