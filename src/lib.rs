@@ -37,6 +37,7 @@ pub mod report;
 pub mod request;
 pub mod scoring;
 pub mod tokens;
+pub mod worker_metrics;
 #[cfg(any(feature = "web", feature = "component"))]
 pub mod shell;
 #[cfg(feature = "web")]

@@ -8,6 +8,8 @@
 //!   "destination_header": "x-gateway-destination-endpoint",
 //!   "response_headers": true,
 //!   "state": {"log_slots": 1024, "max_record_blocks": 2048, "sync_period_ms": 1000},
+//!   "metrics": {"poll_ms": 500, "path": "/metrics", "timeout_ms": 400,
+//!               "cluster": "mmrouter_endpoint", "unhealthy_after": 3},
 //!   "block_size": 16, "profiles": {...}, "scoring": {...}, "index": {...},
 //!   "limits": {...}, "media": {...}
 //! }
@@ -67,6 +69,38 @@ impl Default for StateConfig {
     }
 }
 
+/// Polling of each worker's `/metrics` (vLLM's Prometheus endpoint) for engine-side load and
+/// health. One VM polls for the whole Envoy process (a shared lease).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Poll period (default 500 ms; 0 turns polling off and routing uses only the router's own
+    /// counts).
+    pub poll_ms: u64,
+    /// Path polled on every worker (default `/metrics`).
+    pub path: String,
+    /// Timeout of one poll (default 400 ms).
+    pub timeout_ms: u64,
+    /// Cluster the polls go through (default `mmrouter_endpoint`, the ORIGINAL_DST cluster; the
+    /// worker's address travels in the destination header, as for requests).
+    pub cluster: String,
+    /// Consecutive failed polls after which a worker is skipped by routing until a poll
+    /// succeeds again (default 3; 0 never skips). When every worker is failing, all are used.
+    pub unhealthy_after: u32,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            poll_ms: 500,
+            path: "/metrics".into(),
+            timeout_ms: 400,
+            cluster: "mmrouter_endpoint".into(),
+            unhealthy_after: 3,
+        }
+    }
+}
+
 /// The whole plugin configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FilterConfig {
@@ -80,10 +114,12 @@ pub struct FilterConfig {
     /// Add `x-mmrouter-worker` and `x-mmrouter-overlap` to responses (default true).
     pub response_headers: bool,
     pub state: StateConfig,
+    pub metrics: MetricsConfig,
     pub router: RouterConfig,
 }
 
-const FILTER_KEYS: [&str; 6] = [
+const FILTER_KEYS: [&str; 7] = [
+    "metrics",
     "workers",
     "mode",
     "paths",
@@ -124,6 +160,10 @@ impl FilterConfig {
             Some(v) => field("state", v)?,
             None => StateConfig::default(),
         };
+        let metrics: MetricsConfig = match take("metrics") {
+            Some(v) => field("metrics", v)?,
+            None => MetricsConfig::default(),
+        };
         debug_assert!(FILTER_KEYS.iter().all(|k| !map.contains_key(*k)));
         let router: RouterConfig =
             serde_json::from_value(serde_json::Value::Object(map)).map_err(|e| json_error(&e))?;
@@ -134,6 +174,7 @@ impl FilterConfig {
             destination_header: destination_header.to_ascii_lowercase(),
             response_headers,
             state,
+            metrics,
             router,
         };
         config.validate()?;
@@ -209,6 +250,17 @@ impl FilterConfig {
         }
         if self.state.sync_period_ms == 0 {
             return Err(ConfigError::new("state.sync_period_ms", "must be > 0"));
+        }
+        if self.metrics.poll_ms > 0 {
+            if !self.metrics.path.starts_with('/') {
+                return Err(ConfigError::new("metrics.path", "must start with `/`"));
+            }
+            if self.metrics.timeout_ms == 0 || self.metrics.cluster.is_empty() {
+                return Err(ConfigError::new(
+                    "metrics.timeout_ms",
+                    "polling needs a timeout > 0 and a cluster",
+                ));
+            }
         }
         self.router.validate()
     }

@@ -14,6 +14,7 @@
 //! | `mmrouter.overlap_percent` | histogram | matched/total blocks per routed request, in percent |
 //! | `mmrouter.state_unrecorded` | counter | decisions whose shared load/log update was lost to contention |
 //! | `mmrouter.log_skipped` | counter | logged decisions a VM skipped because it fell behind the ring |
+//! | `mmrouter.polls_ok` / `mmrouter.polls_failed` | counter | `/metrics` polls of the workers that gave vLLM metrics, and those that did not (timeout, refused, non-200, garbage) |
 
 use super::router::Decision;
 use proxy_wasm::hostcalls::{define_metric, increment_metric, record_metric};
@@ -29,6 +30,8 @@ pub struct Metrics {
     overlap: Option<u32>,
     unrecorded: Option<u32>,
     skipped: Option<u32>,
+    polls_ok: Option<u32>,
+    polls_failed: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -58,11 +61,17 @@ impl Metrics {
             overlap: define_metric(MetricType::Histogram, "mmrouter.overlap_percent").ok(),
             unrecorded: counter("mmrouter.state_unrecorded"),
             skipped: counter("mmrouter.log_skipped"),
+            polls_ok: counter("mmrouter.polls_ok"),
+            polls_failed: counter("mmrouter.polls_failed"),
         }
     }
 
     pub fn request(&self) {
         add(self.requests, 1);
+    }
+
+    pub fn poll(&self, ok: bool) {
+        add(if ok { self.polls_ok } else { self.polls_failed }, 1);
     }
 
     pub fn log_skipped(&self, n: u64) {

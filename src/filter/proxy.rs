@@ -12,6 +12,8 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 use xxhash_rust::xxh3::xxh3_64;
@@ -69,9 +71,115 @@ struct Shared {
 #[derive(Default)]
 struct FilterRoot {
     shared: Option<Rc<RefCell<Shared>>>,
+    /// This VM's identity for the poller lease (random per VM).
+    holder: u64,
+    last_poll_ms: u64,
+    /// Outstanding `/metrics` polls: call token → worker.
+    polls: HashMap<u32, usize>,
 }
 
-impl Context for FilterRoot {}
+/// The largest `/metrics` body read (vLLM's is a few tens of KiB).
+const MAX_METRICS_BODY: usize = 4 << 20;
+
+impl FilterRoot {
+    /// If this VM holds the poller lease and a period has passed, polls every worker.
+    fn poll_workers(&mut self, now: u64) {
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        let Ok(s) = shared.try_borrow() else {
+            return;
+        };
+        let poll = &s.router.config.metrics;
+        if poll.poll_ms == 0 || now.saturating_sub(self.last_poll_ms) < poll.poll_ms {
+            return;
+        }
+        if !s.router.poller_lease(&HostStore, self.holder, now) {
+            return;
+        }
+        self.last_poll_ms = now;
+        let timeout = Duration::from_millis(poll.timeout_ms);
+        let header = s.router.config.destination_header.as_str();
+        for (i, w) in s.router.config.workers.iter().enumerate() {
+            let headers = vec![
+                (":method", "GET"),
+                (":path", poll.path.as_str()),
+                (":authority", w.address.as_str()),
+                (header, w.address.as_str()),
+            ];
+            match hostcalls::dispatch_http_call(&poll.cluster, headers, None, vec![], timeout) {
+                Ok(token) => {
+                    self.polls.insert(token, i);
+                }
+                Err(status) => {
+                    s.router.record_poll(&HostStore, i, None, now);
+                    s.metrics.poll(false);
+                    log(
+                        LogLevel::Warn,
+                        &format!("cannot poll {}: dispatch failed: {status:?}", w.name),
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl Context for FilterRoot {
+    /// A `/metrics` poll answered (or failed: Envoy reports a failure as 0 headers).
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _: usize,
+    ) {
+        let Some(worker) = self.polls.remove(&token) else {
+            return;
+        };
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        let Ok(s) = shared.try_borrow() else {
+            return;
+        };
+        let status = if num_headers == 0 {
+            None
+        } else {
+            hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+                .ok()
+                .flatten()
+        };
+        let body = match status.as_deref() {
+            Some("200") => hostcalls::get_buffer(
+                BufferType::HttpCallResponseBody,
+                0,
+                body_size.min(MAX_METRICS_BODY),
+            )
+            .ok()
+            .flatten(),
+            _ => None,
+        };
+        let text = body.as_deref().map(String::from_utf8_lossy);
+        let ok = s
+            .router
+            .record_poll(&HostStore, worker, text.as_deref(), now_ms());
+        s.metrics.poll(ok);
+        if !ok && let Some(w) = s.router.config.workers.get(worker) {
+            log(
+                LogLevel::Warn,
+                &format!(
+                    "poll of {} failed: {}",
+                    w.name,
+                    match (num_headers, status.as_deref()) {
+                        (0, _) => "no response (connection failed or timed out)".to_string(),
+                        (_, Some("200")) => "no vLLM metrics in the body".to_string(),
+                        (_, other) => format!("status {}", other.unwrap_or("none")),
+                    }
+                ),
+            );
+        }
+    }
+}
 
 impl RootContext for FilterRoot {
     fn on_configure(&mut self, size: usize) -> bool {
@@ -86,7 +194,12 @@ impl RootContext for FilterRoot {
                 return false;
             }
         };
-        let period = Duration::from_millis(config.state.sync_period_ms);
+        let mut period_ms = config.state.sync_period_ms;
+        if config.metrics.poll_ms > 0 {
+            period_ms = period_ms.min(config.metrics.poll_ms);
+        }
+        let period = Duration::from_millis(period_ms);
+        self.holder = RandomState::new().hash_one(now_ms());
         let names: Vec<&str> = config.workers.iter().map(|w| w.name.as_str()).collect();
         let metrics = Metrics::define(&names);
         log(
@@ -111,6 +224,7 @@ impl RootContext for FilterRoot {
             let stats = s.router.sync(&HostStore);
             s.metrics.log_skipped(stats.skipped);
         }
+        self.poll_workers(now_ms());
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -211,9 +325,9 @@ impl HttpContext for FilterStream {
         }
         s.metrics.request();
         if end_of_stream {
-            let d = s
-                .router
-                .route_without_body(Fallback::NoBody, &HostStore, self.random());
+            let d =
+                s.router
+                    .route_without_body(Fallback::NoBody, &HostStore, now_ms(), self.random());
             self.apply(&mut s, d);
             return Action::Continue;
         }
@@ -240,7 +354,7 @@ impl HttpContext for FilterStream {
         let random = self.random();
         let decision = if body_size > s.router.config.router.limits.max_body_bytes {
             s.router
-                .route_without_body(Fallback::TooLarge, &HostStore, random)
+                .route_without_body(Fallback::TooLarge, &HostStore, now_ms(), random)
         } else {
             let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
                 .ok()

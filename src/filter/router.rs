@@ -5,10 +5,11 @@
 //! moves bytes between Envoy and this type.
 
 use super::config::FilterConfig;
-use super::shared_state::{SharedState, SharedStore, SyncStats, generation};
+use super::shared_state::{MetricsEntry, SharedState, SharedStore, SyncStats, generation};
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::index::PrefixIndex;
 use crate::scoring::{WorkerLoad, choose};
+use crate::worker_metrics::WorkerMetrics;
 
 /// Why a request was routed without its cache affinity (to the least-loaded worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,14 +106,17 @@ impl Router {
         random: u64,
     ) -> (Decision, Option<Analysis>) {
         if body.len() > self.config.router.limits.max_body_bytes {
-            return (self.fallback(Fallback::TooLarge, store, random), None);
+            return (
+                self.fallback(Fallback::TooLarge, store, now_ms, random),
+                None,
+            );
         }
         let analysis = match analyze(body, &self.config.router) {
             Ok(a) => a,
             Err(e) => {
                 let reason = AnalyzeError::reason(&e);
                 return (
-                    self.fallback(Fallback::Analyze(reason), store, random),
+                    self.fallback(Fallback::Analyze(reason), store, now_ms, random),
                     None,
                 );
             }
@@ -134,19 +138,9 @@ impl Router {
         let max = self.config.state.max_record_blocks as usize;
         let keys = keys.get(..max.min(keys.len())).unwrap_or(keys);
         self.index.match_prefix(keys, now_ms, &mut self.matched);
-        let loads = self.shared.loads(store);
+        let (loads, healthy) = self.current_loads(store, now_ms);
         let total = keys.len();
-        let choice = choose(
-            total,
-            &self.matched,
-            &loads,
-            &self.config.router.scoring,
-            random,
-        );
-        let (worker, matched) = match choice {
-            Some(c) => (c.worker, c.matched_blocks),
-            None => (least_loaded(&loads, random), 0),
-        };
+        let (worker, matched) = self.choose_healthy(total, &loads, &healthy, random);
         let block_size = analysis.layout.block_size as u64;
         let prefill =
             (analysis.layout.prompt_tokens as u64).saturating_sub(matched as u64 * block_size);
@@ -166,9 +160,106 @@ impl Router {
         }
     }
 
-    fn fallback(&mut self, why: Fallback, store: &dyn SharedStore, random: u64) -> Decision {
-        let loads = self.shared.loads(store);
-        let worker = least_loaded(&loads, random);
+    /// Router-side loads merged with fresh engine metrics, and which workers are healthy.
+    /// Metrics older than three poll periods are ignored; a worker whose last
+    /// `unhealthy_after` polls failed is unhealthy, unless every worker is.
+    fn current_loads(&self, store: &dyn SharedStore, now_ms: u64) -> (Vec<WorkerLoad>, Vec<bool>) {
+        let mut loads = self.shared.loads(store);
+        let poll = &self.config.metrics;
+        if poll.poll_ms == 0 {
+            let all = vec![true; loads.len()];
+            return (loads, all);
+        }
+        let entries = self.shared.metrics(store);
+        let fresh_for = poll.poll_ms.saturating_mul(3).max(poll.timeout_ms);
+        let mut healthy: Vec<bool> = entries
+            .iter()
+            .map(|e| poll.unhealthy_after == 0 || e.failures < poll.unhealthy_after)
+            .collect();
+        healthy.resize(loads.len(), true);
+        if !healthy.iter().any(|h| *h) {
+            healthy.iter_mut().for_each(|h| *h = true);
+        }
+        for (load, entry) in loads.iter_mut().zip(&entries) {
+            if let MetricsEntry {
+                metrics:
+                    Some(WorkerMetrics {
+                        waiting,
+                        running,
+                        kv_usage,
+                    }),
+                updated_ms,
+                ..
+            } = *entry
+                && now_ms.saturating_sub(updated_ms) <= fresh_for
+            {
+                load.waiting = Some(waiting);
+                load.running = Some(running);
+                load.kv_usage = Some(kv_usage);
+            }
+        }
+        (loads, healthy)
+    }
+
+    /// [`choose`] over the healthy workers only; worker indices are the configuration's.
+    fn choose_healthy(
+        &self,
+        total: usize,
+        loads: &[WorkerLoad],
+        healthy: &[bool],
+        random: u64,
+    ) -> (usize, usize) {
+        let scoring = &self.config.router.scoring;
+        if healthy.iter().all(|h| *h) {
+            return match choose(total, &self.matched, loads, scoring, random) {
+                Some(c) => (c.worker, c.matched_blocks),
+                None => (least_loaded(loads, random), 0),
+            };
+        }
+        let ids: Vec<usize> = (0..loads.len())
+            .filter(|&w| healthy.get(w).copied().unwrap_or(true))
+            .collect();
+        let sub_loads: Vec<WorkerLoad> =
+            ids.iter().filter_map(|&w| loads.get(w).copied()).collect();
+        let sub_matched: Vec<usize> = ids
+            .iter()
+            .map(|&w| self.matched.get(w).copied().unwrap_or(0))
+            .collect();
+        match choose(total, &sub_matched, &sub_loads, scoring, random) {
+            Some(c) => (ids.get(c.worker).copied().unwrap_or(0), c.matched_blocks),
+            None => (
+                ids.get(least_loaded(&sub_loads, random))
+                    .copied()
+                    .unwrap_or(0),
+                0,
+            ),
+        }
+    }
+
+    fn fallback(
+        &mut self,
+        why: Fallback,
+        store: &dyn SharedStore,
+        now_ms: u64,
+        random: u64,
+    ) -> Decision {
+        let (loads, healthy) = self.current_loads(store, now_ms);
+        let candidates: Vec<WorkerLoad> = loads
+            .iter()
+            .zip(&healthy)
+            .map(|(l, h)| {
+                if *h {
+                    *l
+                } else {
+                    WorkerLoad {
+                        inflight: u32::MAX,
+                        prefill_tokens: u64::MAX,
+                        ..*l
+                    }
+                }
+            })
+            .collect();
+        let worker = least_loaded(&candidates, random);
         let recorded = self.shared.add_load(store, worker, 1, 0);
         Decision {
             worker,
@@ -186,9 +277,31 @@ impl Router {
         &mut self,
         why: Fallback,
         store: &dyn SharedStore,
+        now_ms: u64,
         random: u64,
     ) -> Decision {
-        self.fallback(why, store, random)
+        self.fallback(why, store, now_ms, random)
+    }
+
+    /// Records one `/metrics` poll of `worker`: its text, or None when the poll failed
+    /// (timeout, connection refused, non-200). Text without vLLM metrics counts as a failure.
+    /// Returns whether the poll was good.
+    pub fn record_poll(
+        &self,
+        store: &dyn SharedStore,
+        worker: usize,
+        text: Option<&str>,
+        now_ms: u64,
+    ) -> bool {
+        let parsed = text.and_then(|t| crate::worker_metrics::parse_vllm_metrics(t).ok());
+        self.shared.record_poll(store, worker, parsed, now_ms);
+        parsed.is_some()
+    }
+
+    /// Takes or renews the poller lease for this VM (`holder` identifies it).
+    pub fn poller_lease(&self, store: &dyn SharedStore, holder: u64, now_ms: u64) -> bool {
+        let ttl = self.config.metrics.poll_ms.saturating_mul(3);
+        self.config.metrics.poll_ms > 0 && self.shared.try_lease(store, holder, now_ms, ttl)
     }
 
     /// The worker's prefill is done (first response byte): release its prefill tokens.
@@ -341,6 +454,46 @@ mod tests {
         let mut vm = Router::new(small);
         let (d, _) = vm.route(&body(&png(64, 64), "a"), &store, 0, 0);
         assert_eq!(d.fallback, Some(Fallback::TooLarge));
+    }
+
+    #[test]
+    fn engine_metrics_steer_and_failing_workers_are_skipped() {
+        let store = MemoryStore::default();
+        let mut vm = Router::new(config(2));
+        let busy = "vllm:num_requests_waiting 40\nvllm:num_requests_running 60\nvllm:kv_cache_usage_perc 0.95\n";
+        let idle = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n";
+        assert!(vm.record_poll(&store, 0, Some(busy), 1000));
+        assert!(vm.record_poll(&store, 1, Some(idle), 1000));
+        for seed in 0..8 {
+            let (d, _) = vm.route(&body(&png(64 + seed, 64), "q"), &store, 1100, seed as u64);
+            assert_eq!(d.worker, 1, "the engine says w0 is saturated");
+            vm.finished(&store, d.worker, d.prefill_tokens);
+        }
+        // Metrics older than three poll periods no longer count.
+        let (d0, _) = vm.route(&body(&png(200, 64), "q"), &store, 1000 + 1501, 0);
+        let (d1, _) = vm.route(&body(&png(201, 64), "q"), &store, 1000 + 1501, 0);
+        assert_ne!(d0.worker, d1.worker, "stale metrics ignored: load spreads");
+        vm.finished(&store, d0.worker, d0.prefill_tokens);
+        vm.finished(&store, d1.worker, d1.prefill_tokens);
+        // w1 stops answering: after 3 failed polls it is skipped, even with its cache.
+        let b = body(&png(300, 300), "again");
+        let (first, _) = vm.route(&b, &store, 2000, 5);
+        vm.finished(&store, first.worker, first.prefill_tokens);
+        for t in 0..3 {
+            assert!(!vm.record_poll(&store, first.worker, None, 2100 + t));
+        }
+        assert!(
+            !vm.record_poll(&store, first.worker, Some("<html>"), 2200),
+            "garbage is a failure"
+        );
+        let (second, _) = vm.route(&b, &store, 2300, 5);
+        assert_ne!(second.worker, first.worker);
+        let (fallback, _) = vm.route(b"{", &store, 2300, 5);
+        assert_ne!(fallback.worker, first.worker, "fallbacks avoid it too");
+        // A good poll brings it back, with its cache.
+        assert!(vm.record_poll(&store, first.worker, Some(idle), 2400));
+        let (third, _) = vm.route(&b, &store, 2500, 5);
+        assert_eq!(third.worker, first.worker);
     }
 
     #[test]

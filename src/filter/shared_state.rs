@@ -22,10 +22,17 @@
 //!   and all VMs converge on the same index because they apply the same records in the same
 //!   order. A VM that falls more than `log_slots` behind skips what was overwritten (counted).
 //!
+//! - **Worker metrics** (`<prefix>.metrics`): 24 bytes per worker (waiting, running, KV usage as
+//!   f32; consecutive poll failures u32; time of the last good poll u64), written by the one VM
+//!   that holds the **poller lease** (`<prefix>.poller`: holder id and expiry, taken and renewed
+//!   with CAS), so a fleet of Envoy threads scrapes each worker once per period, not once per
+//!   thread.
+//!
 //! Everything here goes through the [`SharedStore`] trait, so it is tested natively with an
 //! in-memory store that has Envoy's semantics, and runs in Envoy over the proxy-wasm host calls.
 
 use crate::scoring::WorkerLoad;
+use crate::worker_metrics::WorkerMetrics;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Why a shared-data operation failed.
@@ -103,9 +110,24 @@ pub struct SyncStats {
     pub skipped: u64,
 }
 
+/// One worker's entry in the shared metrics table.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MetricsEntry {
+    /// The last good poll's values (None before the first one).
+    pub metrics: Option<WorkerMetrics>,
+    /// When the last good poll arrived (ms since the epoch; 0 = never).
+    pub updated_ms: u64,
+    /// Polls that failed since the last good one.
+    pub failures: u32,
+}
+
+const METRICS_ENTRY: usize = 24;
+
 /// The shared structures of one configuration.
 #[derive(Debug, Clone)]
 pub struct SharedState {
+    metrics_key: String,
+    lease_key: String,
     load_key: String,
     head_key: String,
     slot_prefix: String,
@@ -118,6 +140,8 @@ impl SharedState {
     pub fn new(generation: u64, workers: usize, log_slots: u32) -> SharedState {
         let prefix = format!("mmrouter.{generation:016x}");
         SharedState {
+            metrics_key: format!("{prefix}.metrics"),
+            lease_key: format!("{prefix}.poller"),
             load_key: format!("{prefix}.load"),
             head_key: format!("{prefix}.log.head"),
             slot_prefix: format!("{prefix}.log."),
@@ -187,6 +211,128 @@ impl SharedState {
             }
         }
         false
+    }
+
+    // ---- worker metrics and the poller lease -------------------------------------------
+
+    /// Every worker's metrics entry.
+    pub fn metrics(&self, store: &dyn SharedStore) -> Vec<MetricsEntry> {
+        let bytes = match store.get(&self.metrics_key) {
+            Ok(Some((bytes, _))) => bytes,
+            _ => Vec::new(),
+        };
+        self.decode_metrics(&bytes)
+    }
+
+    fn decode_metrics(&self, bytes: &[u8]) -> Vec<MetricsEntry> {
+        let mut out = vec![MetricsEntry::default(); self.workers];
+        if bytes.len() != self.workers * METRICS_ENTRY {
+            return out;
+        }
+        for (entry, c) in out.iter_mut().zip(bytes.chunks_exact(METRICS_ENTRY)) {
+            let f = |at: usize| {
+                c.get(at..at + 4)
+                    .and_then(|b| b.try_into().ok())
+                    .map(f32::from_le_bytes)
+                    .map(f64::from)
+                    .unwrap_or(0.0)
+            };
+            entry.failures = c
+                .get(12..16)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_le_bytes)
+                .unwrap_or(0);
+            entry.updated_ms = c
+                .get(16..24)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes)
+                .unwrap_or(0);
+            if entry.updated_ms > 0 {
+                entry.metrics = Some(WorkerMetrics {
+                    waiting: f(0),
+                    running: f(4),
+                    kv_usage: f(8),
+                });
+            }
+        }
+        out
+    }
+
+    /// Records one poll of one worker: its metrics, or a failure (None). CAS loop as for loads.
+    pub fn record_poll(
+        &self,
+        store: &dyn SharedStore,
+        worker: usize,
+        polled: Option<WorkerMetrics>,
+        now_ms: u64,
+    ) -> bool {
+        if worker >= self.workers {
+            return false;
+        }
+        for _ in 0..CAS_RETRIES {
+            let (bytes, cas) = match store.get(&self.metrics_key) {
+                Ok(Some((bytes, cas))) => (bytes, Some(cas)),
+                Ok(None) => (Vec::new(), None),
+                Err(_) => return false,
+            };
+            let mut entries = self.decode_metrics(&bytes);
+            if let Some(e) = entries.get_mut(worker) {
+                match polled {
+                    Some(m) => {
+                        e.metrics = Some(m);
+                        e.updated_ms = now_ms.max(1);
+                        e.failures = 0;
+                    }
+                    None => e.failures = e.failures.saturating_add(1),
+                }
+            }
+            let mut out = Vec::with_capacity(self.workers * METRICS_ENTRY);
+            for e in &entries {
+                let m = e.metrics.unwrap_or_default();
+                for v in [m.waiting, m.running, m.kv_usage] {
+                    out.extend_from_slice(&(v as f32).to_le_bytes());
+                }
+                out.extend_from_slice(&e.failures.to_le_bytes());
+                out.extend_from_slice(&e.updated_ms.to_le_bytes());
+            }
+            match store.set(&self.metrics_key, &out, cas) {
+                Ok(()) => return true,
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => return false,
+            }
+        }
+        false
+    }
+
+    /// Takes or renews the poller lease for `holder` until `now_ms + ttl_ms`. True when this
+    /// holder has it: it was free, expired, or already this holder's.
+    pub fn try_lease(
+        &self,
+        store: &dyn SharedStore,
+        holder: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> bool {
+        let (current, cas) = match store.get(&self.lease_key) {
+            Ok(Some((bytes, cas))) => (bytes, Some(cas)),
+            Ok(None) => (Vec::new(), None),
+            Err(_) => return false,
+        };
+        let read = |at: usize| {
+            current
+                .get(at..at + 8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes)
+        };
+        if let (Some(owner), Some(expiry)) = (read(0), read(8))
+            && owner != holder
+            && expiry > now_ms
+        {
+            return false;
+        }
+        let mut value = holder.to_le_bytes().to_vec();
+        value.extend_from_slice(&now_ms.saturating_add(ttl_ms).to_le_bytes());
+        store.set(&self.lease_key, &value, cas).is_ok()
     }
 
     // ---- decision log ------------------------------------------------------------------
@@ -446,6 +592,43 @@ mod tests {
             (1..8).collect::<Vec<_>>(),
             "gives up on the dead writer"
         );
+    }
+
+    #[test]
+    fn polls_are_recorded_and_failures_counted() {
+        let store = MemoryStore::default();
+        let s = SharedState::new(1, 2, 8);
+        assert_eq!(s.metrics(&store), vec![MetricsEntry::default(); 2]);
+        let m = WorkerMetrics {
+            waiting: 3.0,
+            running: 5.0,
+            kv_usage: 0.5,
+        };
+        assert!(s.record_poll(&store, 1, Some(m), 1000));
+        assert!(s.record_poll(&store, 0, None, 1000));
+        assert!(s.record_poll(&store, 0, None, 1100));
+        let e = s.metrics(&store);
+        assert_eq!(e[1].metrics, Some(m));
+        assert_eq!((e[1].updated_ms, e[1].failures), (1000, 0));
+        assert_eq!((e[0].metrics, e[0].failures), (None, 2));
+        assert!(s.record_poll(&store, 0, Some(m), 1200));
+        assert_eq!(
+            s.metrics(&store)[0].failures,
+            0,
+            "a good poll resets the count"
+        );
+    }
+
+    #[test]
+    fn one_poller_holds_the_lease_until_it_expires() {
+        let store = MemoryStore::default();
+        let s = SharedState::new(1, 2, 8);
+        assert!(s.try_lease(&store, 11, 0, 100));
+        assert!(!s.try_lease(&store, 22, 50, 100), "held by 11");
+        assert!(s.try_lease(&store, 11, 90, 100), "11 renews");
+        assert!(!s.try_lease(&store, 22, 150, 100), "renewed until 190");
+        assert!(s.try_lease(&store, 22, 191, 100), "expired: 22 takes it");
+        assert!(!s.try_lease(&store, 11, 200, 100));
     }
 
     #[test]

@@ -39,6 +39,7 @@ class Stack:
         self.tmp = tempfile.TemporaryDirectory(prefix="mmrouter-e2e-")
         self.procs = []
         self.workers = []  # (name, address)
+        self.worker_procs = {}
         try:
             for i in range(workers):
                 self._start_worker(f"w{i}", worker_args)
@@ -72,6 +73,7 @@ class Stack:
         p = subprocess.Popen([str(MOCK), "--port", "0", "--name", name, "--time-scale", "0", *args],
                              stdout=subprocess.DEVNULL, stderr=log)
         self.procs.append(p)
+        self.worker_procs[name] = p
         deadline = time.time() + 20
         while time.time() < deadline:
             log.seek(0)
@@ -119,6 +121,11 @@ class Stack:
     def stats(self):
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats/prometheus") as r:
             return r.read().decode()
+
+    def kill_worker(self, name):
+        p = self.worker_procs[name]
+        p.kill()
+        p.wait(timeout=10)
 
     def log(self):
         return self.envoy_log.read_text() if self.envoy_log.exists() else ""

@@ -4,6 +4,7 @@ import json
 import re
 import socket
 import threading
+import time
 
 import pytest
 
@@ -179,3 +180,28 @@ def test_metrics_and_routing_log_are_visible(stack):
     assert sum(int(v) for v in routed.values()) >= 1
     assert re.search(r"mmrouter_images\{\} [1-9]", stats)
     assert re.search(r"\[ROUTING\] Best: w\d with \d+/\d+ blocks overlap", stack.log())
+
+
+def test_workers_are_polled_and_a_dead_worker_is_skipped():
+    stack = Stack(workers=3, plugin_config={"metrics": {"poll_ms": 200, "timeout_ms": 150}})
+    try:
+        deadline = time.time() + 10
+        while not re.search(r"mmrouter_polls_ok\{\} [1-9]", stack.stats()):
+            assert time.time() < deadline, "the workers' /metrics were never polled"
+            time.sleep(0.1)
+        image = png(256, 256, seed=21)
+        _, h, _ = stack.post(chat(image))
+        owner = h["x-mmrouter-worker"]
+        stack.kill_worker(owner)
+        # Three failed polls (200 ms apart) mark it unhealthy.
+        deadline = time.time() + 10
+        while not re.search(r"mmrouter_polls_failed\{\} ([3-9]|\d\d)", stack.stats()):
+            assert time.time() < deadline, "polls of the dead worker never failed"
+            time.sleep(0.1)
+        time.sleep(0.3)
+        for i in range(6):
+            status, h, _ = stack.post(chat(image if i == 0 else png(64, 64, seed=30 + i)))
+            assert status == 200, f"request {i} got {status}"
+            assert h["x-mock-worker"] != owner
+    finally:
+        stack.close()
