@@ -64,6 +64,7 @@
 
 use crate::config::ConfigError;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// Largest accepted [`IndexConfig::capacity_blocks`]: slots are 32-bit.
@@ -506,13 +507,13 @@ impl PrefixIndex {
             slot,
             expires_at,
         };
-        match self.map.get_mut(&key) {
-            Some(holders) => {
-                let delta = holders.add(holder);
+        match self.map.entry(key) {
+            Entry::Occupied(mut holders) => {
+                let delta = holders.get_mut().add(holder);
                 self.spilled = self.spilled.saturating_add_signed(delta);
             }
-            None => {
-                self.map.insert(key, Holders::One(holder));
+            Entry::Vacant(slot) => {
+                slot.insert(Holders::One(holder));
             }
         }
         self.entries += 1;

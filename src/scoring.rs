@@ -184,12 +184,12 @@ pub fn choose(
     config: &ScoringConfig,
     random: u64,
 ) -> Option<Choice> {
-    let scorer = Scorer::new(total_blocks, matched, loads, config);
-    scorer.choose(random, |w| scorer.cost(w))
+    let mut costs = Vec::new();
+    choose_with_costs(total_blocks, matched, loads, config, random, &mut costs)
 }
 
 /// [`choose`], also writing every worker's cost into `costs` (for logs and metrics;
-/// `costs[w]` is worker `w`'s cost). The buffer is reused.
+/// `costs[w]` is worker `w`'s cost). Reusing the buffer saves `choose`'s one allocation.
 pub fn choose_with_costs(
     total_blocks: usize,
     matched: &[usize],
@@ -201,8 +201,7 @@ pub fn choose_with_costs(
     let scorer = Scorer::new(total_blocks, matched, loads, config);
     costs.clear();
     costs.extend((0..loads.len()).map(|w| scorer.cost(w)));
-    let table: &[f64] = costs;
-    scorer.choose(random, |w| table.get(w).copied().unwrap_or(f64::INFINITY))
+    scorer.choose(random, costs)
 }
 
 struct Scorer<'a> {
@@ -274,54 +273,61 @@ impl<'a> Scorer<'a> {
         if cost.is_nan() { f64::INFINITY } else { cost }
     }
 
-    fn choose(&self, random: u64, cost: impl Fn(usize) -> f64) -> Option<Choice> {
-        let n = self.loads.len();
-        if n == 0 {
+    fn choose(&self, random: u64, costs: &[f64]) -> Option<Choice> {
+        if costs.is_empty() {
             return None;
         }
         let random = splitmix64(random);
         let worker = if self.config.temperature > 0.0 {
-            self.sample(random, &cost)
-                .unwrap_or_else(|| self.argmin(random, &cost))
+            self.sample(random, costs)
+                .unwrap_or_else(|| self.argmin(random, costs))
         } else {
-            self.argmin(random, &cost)
+            self.argmin(random, costs)
         };
-        let best_matched = (0..n).map(|w| self.matched(w)).max().unwrap_or(0);
-        let herded = (0..n)
-            .filter(|&w| self.herded(w) && self.matched(w) > 0)
-            .count();
+        let mut best_matched = 0;
+        let mut herded = 0;
+        for w in 0..costs.len() {
+            let m = self.matched(w);
+            best_matched = best_matched.max(m);
+            if m > 0 && self.herded(w) {
+                herded += 1;
+            }
+        }
         Some(Choice {
             worker,
             matched_blocks: self.matched(worker),
             total_blocks: self.total,
             credited_blocks: self.credited(worker),
-            cost: cost(worker),
+            cost: costs.get(worker).copied().unwrap_or(f64::INFINITY),
             best_matched,
             herded,
         })
     }
 
     /// Lowest cost; ties by fewest in-flight, then by `random`.
-    fn argmin(&self, random: u64, cost: &impl Fn(usize) -> f64) -> usize {
-        let n = self.loads.len();
-        let best = (0..n).map(cost).fold(f64::INFINITY, f64::min);
+    fn argmin(&self, random: u64, costs: &[f64]) -> usize {
+        let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
         let tol = 1e-9 * best.abs().max(1.0);
         let tied = |c: f64| c == best || (best.is_finite() && c - best <= tol);
-        let fewest = (0..n)
-            .filter(|&w| tied(cost(w)))
-            .map(|w| self.load(w).inflight)
-            .min()
-            .unwrap_or(0);
-        let candidate = |w: &usize| tied(cost(*w)) && self.load(*w).inflight == fewest;
-        let count = (0..n).filter(candidate).count();
+        let candidates = || {
+            costs
+                .iter()
+                .enumerate()
+                .filter(move |&(_, &c)| tied(c))
+                .map(|(w, _)| (w, self.load(w).inflight))
+        };
+        let fewest = candidates().map(|(_, i)| i).min().unwrap_or(0);
+        let count = candidates().filter(|&(_, i)| i == fewest).count();
         let pick = pick_below(random, count);
-        (0..n).filter(candidate).nth(pick).unwrap_or(0)
+        candidates()
+            .filter(|&(_, i)| i == fewest)
+            .nth(pick)
+            .map_or(0, |(w, _)| w)
     }
 
     /// Softmax sample over normalised finite costs; None if no cost is finite.
-    fn sample(&self, random: u64, cost: &impl Fn(usize) -> f64) -> Option<usize> {
-        let n = self.loads.len();
-        let finite = || (0..n).map(cost).filter(|c| c.is_finite());
+    fn sample(&self, random: u64, costs: &[f64]) -> Option<usize> {
+        let finite = || costs.iter().copied().filter(|c| c.is_finite());
         let min = finite().fold(f64::INFINITY, f64::min);
         let max = finite().fold(f64::NEG_INFINITY, f64::max);
         if !min.is_finite() {
@@ -329,8 +335,7 @@ impl<'a> Scorer<'a> {
         }
         let range = max - min;
         let t = self.config.temperature;
-        let weight = |w: usize| {
-            let c = cost(w);
+        let weight = |c: f64| {
             if !c.is_finite() {
                 0.0
             } else if range > 0.0 {
@@ -339,12 +344,12 @@ impl<'a> Scorer<'a> {
                 1.0
             }
         };
-        let sum: f64 = (0..n).map(weight).sum();
+        let sum: f64 = costs.iter().map(|&c| weight(c)).sum();
         // The best worker has weight 1, so sum >= 1.
         let mut target = unit_f64(random) * sum;
         let mut last = None;
-        for w in 0..n {
-            let p = weight(w);
+        for (w, &c) in costs.iter().enumerate() {
+            let p = weight(c);
             if p > 0.0 {
                 last = Some(w);
                 if target < p {
