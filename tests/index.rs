@@ -243,3 +243,114 @@ fn config_validation_rejects_zero_capacity() {
     assert_eq!(IndexConfig::default().capacity_blocks, 65_536);
     assert_eq!(IndexConfig::default().ttl_ms, 120_000);
 }
+
+/// A plain reference model: per worker a most-recently-used-first list of (key, expires_at).
+struct Model {
+    capacity: usize,
+    ttl: u64,
+    workers: Vec<Vec<(u64, u64)>>,
+}
+
+impl Model {
+    fn insert(&mut self, w: usize, keys: &[u64], now: u64) {
+        let Some(list) = self.workers.get_mut(w) else {
+            return;
+        };
+        let expires = if self.ttl == 0 {
+            u64::MAX
+        } else {
+            now + self.ttl
+        };
+        for &k in keys.iter().rev() {
+            let old = list.iter().position(|e| e.0 == k).map(|i| list.remove(i));
+            if old.is_none() && list.len() == self.capacity {
+                list.pop();
+            }
+            list.insert(0, (k, old.map_or(expires, |o| o.1.max(expires))));
+        }
+    }
+
+    fn matches(&self, keys: &[u64], now: u64) -> Vec<usize> {
+        self.workers
+            .iter()
+            .map(|list| {
+                keys.iter()
+                    .take_while(|&&k| list.iter().any(|e| e.0 == k && now < e.1))
+                    .count()
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert(usize, u64, u64),
+    Remove(usize, u64, u64),
+    Clear(usize),
+    Advance(u64),
+    SetWorkers(usize),
+    Match(u64, u64),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => (0..4usize, 0..30u64, 1..10u64).prop_map(|(w, s, l)| Op::Insert(w, s, l)),
+        1 => (0..4usize, 0..30u64, 1..4u64).prop_map(|(w, s, l)| Op::Remove(w, s, l)),
+        1 => (0..4usize).prop_map(Op::Clear),
+        2 => (0..40u64).prop_map(Op::Advance),
+        1 => (1..5usize).prop_map(Op::SetWorkers),
+        4 => (0..30u64, 1..12u64).prop_map(|(s, l)| Op::Match(s, l)),
+    ]
+}
+
+proptest::proptest! {
+    /// With a uniform ttl and a monotonic clock the index agrees with the reference model on
+    /// every match, whatever mix of inserts, removals, clears and resizes came before.
+    #[test]
+    fn index_agrees_with_a_reference_lru_model(
+        capacity in 1..10usize,
+        ttl in proptest::prop_oneof![proptest::strategy::Just(0u64), 20..100u64],
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let mut ix = index(capacity, ttl, 3);
+        let mut model = Model { capacity, ttl, workers: vec![Vec::new(); 3] };
+        let mut now = 0u64;
+        let range = |s: u64, l: u64| (s..s + l).collect::<Vec<u64>>();
+        for op in ops {
+            match op {
+                Op::Insert(w, s, l) => {
+                    ix.insert(w, &range(s, l), now);
+                    model.insert(w, &range(s, l), now);
+                }
+                Op::Remove(w, s, l) => {
+                    ix.remove(w, &range(s, l));
+                    if let Some(list) = model.workers.get_mut(w) {
+                        list.retain(|e| !range(s, l).contains(&e.0));
+                    }
+                }
+                Op::Clear(w) => {
+                    ix.clear(w);
+                    if let Some(list) = model.workers.get_mut(w) {
+                        list.clear();
+                    }
+                }
+                Op::Advance(dt) => now += dt,
+                Op::SetWorkers(n) => {
+                    ix.set_workers(n);
+                    model.workers.resize(n, Vec::new());
+                }
+                Op::Match(s, l) => {
+                    proptest::prop_assert_eq!(
+                        matches(&ix, &range(s, l), now),
+                        model.matches(&range(s, l), now)
+                    );
+                }
+            }
+            proptest::prop_assert!(ix.check_consistency().is_ok(), "{:?}", ix.check_consistency());
+            for w in 0..ix.workers() {
+                proptest::prop_assert!(ix.blocks(w) <= capacity);
+            }
+        }
+    }
+}
