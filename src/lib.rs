@@ -33,6 +33,8 @@ pub mod identity;
 pub mod image_header;
 pub mod index;
 pub mod layout;
+#[cfg(feature = "proxy-host")]
+pub mod proxy_host;
 pub mod report;
 pub mod request;
 pub mod scoring;
