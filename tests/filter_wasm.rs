@@ -1,27 +1,589 @@
-//! The real filter `.wasm` (feature `filter`, wasm32-wasip1) on the Wasmtime proxy-wasm host.
-//! The test command builds the `.wasm` itself (see `tests/support`).
+//! The real filter `.wasm` (feature `filter`, wasm32-wasip1, profile `wasm`) on the Wasmtime
+//! proxy-wasm host (`src/proxy_host`). The test command builds the `.wasm` itself (see
+//! `tests/support`), so these tests exercise exactly what Envoy would load.
 
 mod support;
 
-use mmrouter::proxy_host::{Host, VmConfig};
+use base64::Engine as _;
+use mmrouter::filter::shared_state::{SharedState, SharedStore, StoreError, generation};
+use mmrouter::proxy_host::{
+    Action, Callback, Host, HostError, HttpResponse, LogLevel, Response, Vm, VmConfig,
+};
+use std::time::Duration;
 
-fn config() -> VmConfig {
-    VmConfig::new(
-        r#"{"workers":[{"name":"w0","address":"127.0.0.1:8000"},{"name":"w1","address":"127.0.0.1:8001"}]}"#,
+const ADDRS: [&str; 3] = ["127.0.0.1:8000", "127.0.0.1:8001", "127.0.0.1:8002"];
+const DEST: &str = "x-gateway-destination-endpoint";
+
+fn workers_json(n: usize) -> String {
+    let ws: Vec<String> = (0..n)
+        .map(|i| format!(r#"{{"name":"w{i}","address":"{}"}}"#, ADDRS[i]))
+        .collect();
+    format!("[{}]", ws.join(","))
+}
+
+/// The plugin configuration with `n` workers, polling off unless `extra` turns it on.
+fn plugin_config(n: usize, extra: &str) -> String {
+    let extra = if extra.is_empty() {
+        r#""metrics":{"poll_ms":0}"#.to_string()
+    } else {
+        extra.to_string()
+    };
+    format!(r#"{{"workers":{},{extra}}}"#, workers_json(n))
+}
+
+fn vm_config(n: usize, extra: &str) -> VmConfig {
+    VmConfig::new(plugin_config(n, extra)).allow_on_headers_stop_iteration(true)
+}
+
+fn host() -> Host {
+    Host::new(&support::filter_module()).unwrap()
+}
+
+// ---- request bodies ----
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for b in bytes {
+        crc ^= u32::from(*b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    let crc = crc32(&out[start..]);
+    out.extend_from_slice(&crc.to_be_bytes());
+}
+
+/// A PNG of `w`×`h` whose IDAT holds `payload` bytes derived from `seed` (the header reader
+/// follows chunk lengths, it never inflates).
+fn png(w: u32, h: u32, payload: usize, seed: u64) -> Vec<u8> {
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&w.to_be_bytes());
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    chunk(&mut out, b"IHDR", &ihdr);
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let data: Vec<u8> = (0..payload)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    chunk(&mut out, b"IDAT", &data);
+    chunk(&mut out, b"IEND", &[]);
+    out
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn image_body(image_b64: &str, text: &str) -> String {
+    format!(
+        r#"{{"model":"Qwen/Qwen2.5-VL-7B-Instruct","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{image_b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
     )
-    .allow_on_headers_stop_iteration(true)
+}
+
+fn text_body(text: &str) -> String {
+    format!(
+        r#"{{"model":"Qwen/Qwen2.5-VL-7B-Instruct","messages":[{{"role":"user","content":"{text}"}}]}}"#
+    )
+}
+
+fn chat<'a>(vm: &'a Vm, body: &str) -> mmrouter::proxy_host::RequestBuilder<'a> {
+    vm.request()
+        .header(":path", "/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(body.as_bytes())
+        .chunk_size(16 * 1024)
+}
+
+// ---- shared state, read the way the filter lays it out ----
+
+struct HostStore<'a>(&'a Host);
+
+impl SharedStore for HostStore<'_> {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        Ok(self.0.shared_data(key))
+    }
+    fn set(&self, _: &str, _: &[u8], _: Option<u32>) -> Result<(), StoreError> {
+        Err(StoreError::Host(2))
+    }
+}
+
+/// In-flight requests per worker, from the shared load table.
+fn inflight(host: &Host, n: usize) -> Vec<u32> {
+    let state = SharedState::new(generation(&ADDRS[..n], 1024), n, 1024);
+    state
+        .loads(&HostStore(host))
+        .iter()
+        .map(|l| l.inflight)
+        .collect()
+}
+
+fn prefill(host: &Host, n: usize) -> Vec<u64> {
+    let state = SharedState::new(generation(&ADDRS[..n], 1024), n, 1024);
+    state
+        .loads(&HostStore(host))
+        .iter()
+        .map(|l| l.prefill_tokens)
+        .collect()
+}
+
+fn worker_of(addr: Option<&str>) -> usize {
+    let addr = addr.expect("no destination header upstream");
+    ADDRS
+        .iter()
+        .position(|a| *a == addr)
+        .unwrap_or_else(|| panic!("destination {addr} is not a configured worker"))
+}
+
+// ---- the request path ----
+
+#[test]
+fn a_chat_request_is_routed_to_a_configured_worker_after_the_whole_body() {
+    let host = host();
+    let vm = host.vm(vm_config(2, "")).unwrap();
+    let s = chat(&vm, &text_body("hello there")).send().unwrap();
+    assert!(s.is_complete());
+    // Headers are held until the body has been read, then everything goes upstream.
+    assert_eq!(s.action(Callback::RequestHeaders), Some(Action::Pause));
+    assert_eq!(s.action(Callback::RequestBody), Some(Action::Continue));
+    let w = worker_of(s.request_header(DEST));
+    assert_eq!(s.upstream_body(), text_body("hello there").as_bytes());
+    assert_eq!(
+        s.response_header("x-mmrouter-worker"),
+        Some(format!("w{w}").as_str())
+    );
+    assert!(s.response_header("x-mmrouter-overlap").is_some());
+    assert!(!vm.logs_containing("[ROUTING] Best: ").is_empty());
+    assert_eq!(host.metric_value("mmrouter.requests"), Some(1));
+    assert_eq!(host.metric_value(&format!("mmrouter.routed.w{w}")), Some(1));
 }
 
 #[test]
-fn filter_starts_and_routes_a_text_request() {
-    let host = Host::new(&support::filter_module()).unwrap();
-    let vm = host.vm(config()).unwrap();
-    let s = vm
-        .request()
-        .header(":path", "/v1/chat/completions")
-        .body(br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#)
+fn client_sent_steering_headers_never_reach_upstream() {
+    let host = host();
+    let vm = host.vm(vm_config(2, "")).unwrap();
+    // On a routed path the filter's own value replaces the client's.
+    let s = chat(&vm, &text_body("x"))
+        .header(DEST, "6.6.6.6:1")
+        .header("x-envoy-original-dst-host", "6.6.6.6:1")
         .send()
         .unwrap();
+    let dest = s.request_header(DEST);
+    assert_ne!(dest, Some("6.6.6.6:1"));
+    worker_of(dest);
+    assert_eq!(s.request_header("x-envoy-original-dst-host"), None);
+    assert_eq!(s.upstream_request_headers().unwrap().get_all(DEST).len(), 1);
+    // On a path the filter does not route, both are removed and nothing is set.
+    let s = vm
+        .request()
+        .header(":method", "GET")
+        .header(":path", "/health")
+        .header(DEST, "6.6.6.6:1")
+        .header("x-envoy-original-dst-host", "6.6.6.6:1")
+        .send()
+        .unwrap();
+    assert_eq!(s.action(Callback::RequestHeaders), Some(Action::Continue));
+    assert_eq!(s.request_header(DEST), None);
+    assert_eq!(s.request_header("x-envoy-original-dst-host"), None);
+}
+
+#[test]
+fn bodies_the_filter_cannot_use_fail_open_to_a_worker_and_are_counted_by_reason() {
+    let host = host();
+    let extra = r#""metrics":{"poll_ms":0},"limits":{"max_body_bytes":4096}"#;
+    let vm = host.vm(vm_config(2, extra)).unwrap();
+
+    let not_json = chat(&vm, "this is not json").send().unwrap();
+    worker_of(not_json.request_header(DEST));
+    assert_eq!(host.metric_value("mmrouter.fallback.bad_json"), Some(1));
+
+    let big = text_body(&"a".repeat(10_000));
+    let oversize = chat(&vm, &big).send().unwrap();
+    worker_of(oversize.request_header(DEST));
+    assert_eq!(
+        oversize.upstream_body().len(),
+        big.len(),
+        "body forwarded whole"
+    );
+    assert_eq!(host.metric_value("mmrouter.fallback.too_large"), Some(1));
+
+    let mut corrupt = png(64, 64, 16, 1);
+    corrupt[20] ^= 0xff; // inside IHDR: its CRC no longer matches
+    let bad_image = chat(&vm, &image_body(&b64(&corrupt), "what"))
+        .send()
+        .unwrap();
+    worker_of(bad_image.request_header(DEST));
+    assert_eq!(host.metric_value("mmrouter.fallback.bad_image"), Some(1));
+
+    let bad_b64 = chat(&vm, &image_body("!!!notbase64!!!", "what"))
+        .send()
+        .unwrap();
+    worker_of(bad_b64.request_header(DEST));
+    assert_eq!(host.metric_value("mmrouter.fallback.bad_base64"), Some(1));
+
+    assert!(vm.logs_containing("[ROUTING] Fallback").len() >= 4);
+    assert!(vm.failure().is_none());
+}
+
+#[test]
+fn without_allow_on_headers_stop_iteration_envoy_never_delivers_the_body() {
+    // Envoy's default: a Pause from on_request_headers stops ALL iteration. The filter needs
+    // `allow_on_headers_stop_iteration: true`; without it the request hangs, as in Envoy.
+    let host = host();
+    let vm = host
+        .vm(VmConfig::new(plugin_config(2, "")).allow_on_headers_stop_iteration(false))
+        .unwrap();
+    let s = chat(&vm, &text_body("hi")).send().unwrap();
+    assert!(!s.is_complete());
+    assert!(!s.forwarded_upstream());
+    assert_eq!(s.action(Callback::RequestBody), None);
+    assert_eq!(vm.open_streams(), vec![s.id()]);
+    let s = vm.reset(s.id()).unwrap();
     assert!(s.is_complete());
-    assert!(s.request_header("x-gateway-destination-endpoint").is_some());
+}
+
+#[test]
+fn an_invalid_plugin_configuration_is_refused() {
+    let host = host();
+    for bad in [
+        r#"{"workers":[{"name":"w0","address":"127.0.0.1:8000"}],"no_such_key":1}"#,
+        r#"{"workers":[{"name":"w0","address":"not an address"}]}"#,
+        r#"{"paths":["/v1/chat/completions"]}"#,
+        "not json",
+    ] {
+        match host.vm(bad) {
+            Err(HostError::ConfigureRejected { logs }) => {
+                assert!(!logs.is_empty(), "{bad}: refused without a log line");
+            }
+            other => panic!("{bad}: expected ConfigureRejected, got {other:?}"),
+        }
+    }
+}
+
+// ---- several VMs (Envoy worker threads) sharing state ----
+
+#[test]
+fn an_image_routed_by_one_vm_lands_on_the_same_worker_through_another_vm() {
+    let host = host();
+    let vm1 = host.vm(vm_config(3, "")).unwrap();
+    let vm2 = host.vm(vm_config(3, "")).unwrap();
+    for seed in 0..6 {
+        let img = b64(&png(448, 448, 2048, seed));
+        let body = image_body(&img, "describe the picture");
+        let first = chat(&vm1, &body).send().unwrap();
+        let second = chat(&vm2, &body).send().unwrap();
+        let (w1, w2) = (
+            worker_of(first.request_header(DEST)),
+            worker_of(second.request_header(DEST)),
+        );
+        assert_eq!(w1, w2, "image {seed}: VM 2 did not see VM 1's decision");
+        let overlap = second.response_header("x-mmrouter-overlap").unwrap();
+        let (matched, total) = overlap.split_once('/').unwrap();
+        let (matched, total): (usize, usize) = (matched.parse().unwrap(), total.parse().unwrap());
+        assert!(matched > 0 && matched <= total, "overlap {overlap}");
+    }
+    assert_eq!(host.metric_value("mmrouter.images"), Some(12));
+}
+
+#[test]
+fn inflight_is_counted_while_a_request_is_open_and_released_at_its_end_or_reset() {
+    let host = host();
+    let vm = host.vm(vm_config(2, "")).unwrap();
+    let img = b64(&png(448, 448, 512, 7));
+    let a = chat(&vm, &image_body(&img, "a")).send_request().unwrap();
+    assert!(a.forwarded_upstream() && !a.is_complete());
+    let wa = worker_of(a.request_header(DEST));
+    let mut expect = vec![0, 0];
+    expect[wa] += 1;
+    assert_eq!(inflight(&host, 2), expect);
+    assert!(prefill(&host, 2)[wa] > 0, "prefill tokens are counted");
+
+    // Normal end: prefill released at response headers, in-flight at the end of the stream.
+    let a = vm
+        .respond(a.id(), Response::new(200).body(b"{}".to_vec()))
+        .unwrap();
+    assert!(a.is_complete());
+    assert_eq!(inflight(&host, 2), vec![0, 0]);
+    assert_eq!(prefill(&host, 2), vec![0, 0]);
+
+    // Reset before any response: both released, exactly once.
+    let b = chat(&vm, &image_body(&img, "b")).send_request().unwrap();
+    assert_eq!(inflight(&host, 2).iter().sum::<u32>(), 1);
+    let b = vm.reset(b.id()).unwrap();
+    assert!(b.is_complete() && b.was_reset());
+    assert_eq!(inflight(&host, 2), vec![0, 0]);
+    assert_eq!(prefill(&host, 2), vec![0, 0]);
+}
+
+#[test]
+fn interleaved_decisions_on_three_vms_leave_the_load_table_consistent() {
+    let host = host();
+    let vms: Vec<Vm> = (0..3).map(|_| host.vm(vm_config(3, "")).unwrap()).collect();
+    let mut open = Vec::new();
+    for i in 0..30 {
+        let vm = &vms[i % 3];
+        let img = b64(&png(224, 224, 256, (i % 5) as u64));
+        let s = chat(vm, &image_body(&img, &format!("q{i}")))
+            .send_request()
+            .unwrap();
+        worker_of(s.request_header(DEST));
+        open.push((i % 3, s.id()));
+        assert_eq!(inflight(&host, 3).iter().sum::<u32>(), (i + 1) as u32);
+    }
+    let routed: i64 = (0..3)
+        .map(|w| {
+            host.metric_value(&format!("mmrouter.routed.w{w}"))
+                .unwrap_or(0)
+        })
+        .sum();
+    assert_eq!(routed, 30);
+    assert_eq!(host.metric_value("mmrouter.requests"), Some(30));
+    // End them in another interleaving: odd ones reset, even ones answered.
+    open.reverse();
+    for (k, (v, id)) in open.iter().enumerate() {
+        if k % 2 == 0 {
+            vms[*v].respond(*id, Response::new(200)).unwrap();
+        } else {
+            vms[*v].reset(*id).unwrap();
+        }
+    }
+    assert_eq!(inflight(&host, 3), vec![0, 0, 0]);
+    assert_eq!(prefill(&host, 3), vec![0, 0, 0]);
+    assert_eq!(
+        host.metric_value("mmrouter.state_unrecorded").unwrap_or(0),
+        0
+    );
+}
+
+#[test]
+fn lost_cas_races_are_retried_and_no_update_is_lost() {
+    let host = host();
+    let vm1 = host.vm(vm_config(2, "")).unwrap();
+    let vm2 = host.vm(vm_config(2, "")).unwrap();
+    // Another "thread" wins the next 5 races on the load table.
+    host.race_shared_data(".load", 5);
+    let a = chat(&vm1, &text_body("a")).send_request().unwrap();
+    let b = chat(&vm2, &text_body("b")).send_request().unwrap();
+    assert_eq!(inflight(&host, 2).iter().sum::<u32>(), 2);
+    assert_eq!(
+        host.races_left(),
+        0,
+        "the filter read the load table 5 times or more"
+    );
+    vm1.reset(a.id()).unwrap();
+    vm2.respond(b.id(), Response::new(200)).unwrap();
+    assert_eq!(inflight(&host, 2), vec![0, 0]);
+    assert_eq!(
+        host.metric_value("mmrouter.state_unrecorded").unwrap_or(0),
+        0
+    );
+}
+
+// ---- the tick and the /metrics poll ----
+
+const POLL: &str = r#""metrics":{"poll_ms":500,"timeout_ms":400,"cluster":"mmrouter_endpoint","unhealthy_after":3}"#;
+
+fn vllm_metrics(waiting: u32) -> String {
+    format!(
+        "# HELP vllm:num_requests_waiting x\nvllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\nvllm:num_requests_running{{model_name=\"m\"}} 1\nvllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.5\n"
+    )
+}
+
+#[test]
+fn one_vm_polls_every_worker_on_its_tick_and_engine_load_steers_routing() {
+    let host = host();
+    let vm1 = host.vm(vm_config(2, POLL)).unwrap();
+    let vm2 = host.vm(vm_config(2, POLL)).unwrap();
+    assert_eq!(vm1.tick_period(), Some(Duration::from_millis(500)));
+    host.advance(Duration::from_millis(500)).unwrap();
+    let (c1, c2) = (vm1.http_calls(), vm2.http_calls());
+    assert!(
+        (c1.len() == 2 && c2.is_empty()) || (c2.len() == 2 && c1.is_empty()),
+        "exactly one VM holds the poller lease: {} and {} calls",
+        c1.len(),
+        c2.len()
+    );
+    let (poller, calls) = if c1.is_empty() {
+        (&vm2, c2)
+    } else {
+        (&vm1, c1)
+    };
+    for (i, call) in calls.iter().enumerate() {
+        assert_eq!(call.upstream, "mmrouter_endpoint");
+        assert_eq!(call.headers.get(":method"), Some("GET"));
+        assert_eq!(call.headers.get(":path"), Some("/metrics"));
+        assert_eq!(call.headers.get(":authority"), Some(ADDRS[i]));
+        assert_eq!(call.headers.get(DEST), Some(ADDRS[i]));
+        assert_eq!(call.timeout, Duration::from_millis(400));
+    }
+    // w0 is drowning, w1 is idle.
+    poller
+        .answer_http_call(
+            calls[0].token,
+            HttpResponse::new(200).body(vllm_metrics(500)),
+        )
+        .unwrap();
+    poller
+        .answer_http_call(calls[1].token, HttpResponse::new(200).body(vllm_metrics(0)))
+        .unwrap();
+    assert_eq!(host.metric_value("mmrouter.polls_ok"), Some(2));
+    for i in 0..6 {
+        let vm = if i % 2 == 0 { &vm1 } else { &vm2 };
+        let s = chat(vm, &text_body(&format!("t{i}"))).send().unwrap();
+        assert_eq!(s.request_header(DEST), Some(ADDRS[1]), "request {i}");
+    }
+}
+
+#[test]
+fn poll_timeouts_failures_and_garbage_count_as_failed_and_make_a_worker_unhealthy() {
+    let host = host();
+    let vm = host.vm(vm_config(2, POLL)).unwrap();
+    for round in 0..3 {
+        // to the next poll (ticks every 500 ms)
+        let next = Duration::from_millis(500 * (round + 1));
+        host.advance(next - host.now()).unwrap();
+        let calls = vm.http_calls();
+        assert_eq!(calls.len(), 2, "round {round}");
+        // w1 answers well every time; w0 times out, fails, then answers garbage.
+        vm.answer_http_call(calls[1].token, HttpResponse::new(200).body(vllm_metrics(0)))
+            .unwrap();
+        match round {
+            0 => host.advance(Duration::from_millis(400)).unwrap(), // timeout
+            1 => vm.fail_http_call(calls[0].token).unwrap(),
+            _ => vm
+                .answer_http_call(
+                    calls[0].token,
+                    HttpResponse::new(200).body("<html>not metrics</html>"),
+                )
+                .unwrap(),
+        }
+        assert!(
+            vm.http_calls().is_empty(),
+            "round {round}: a call is left pending"
+        );
+    }
+    assert_eq!(host.metric_value("mmrouter.polls_failed"), Some(3));
+    assert_eq!(host.metric_value("mmrouter.polls_ok"), Some(3));
+    assert!(!vm.logs_containing("no vLLM metrics in the body").is_empty());
+    assert!(
+        !vm.logs_containing("connection failed or timed out")
+            .is_empty()
+    );
+    // w0 failed 3 polls in a row: unhealthy, so everything goes to w1, even with load on w1.
+    let mut open = Vec::new();
+    for i in 0..4 {
+        let s = chat(&vm, &text_body(&format!("u{i}")))
+            .send_request()
+            .unwrap();
+        assert_eq!(s.request_header(DEST), Some(ADDRS[1]), "request {i}");
+        open.push(s.id());
+    }
+    for id in open {
+        vm.reset(id).unwrap();
+    }
+    assert!(vm.failure().is_none());
+}
+
+#[test]
+fn ticks_fire_on_every_vm_and_a_vm_that_fell_behind_skips_overwritten_decisions() {
+    let host = host();
+    let extra = r#""metrics":{"poll_ms":0},"state":{"log_slots":4,"sync_period_ms":1000}"#;
+    let vm1 = host.vm(vm_config(2, extra)).unwrap();
+    let vm2 = host.vm(vm_config(2, extra)).unwrap();
+    assert_eq!(vm2.tick_period(), Some(Duration::from_millis(1000)));
+    for i in 0..10 {
+        chat(&vm1, &text_body(&format!("d{i}"))).send().unwrap();
+    }
+    assert_eq!(host.metric_value("mmrouter.log_skipped").unwrap_or(0), 0);
+    host.advance(Duration::from_millis(999)).unwrap();
+    assert_eq!(
+        host.metric_value("mmrouter.log_skipped").unwrap_or(0),
+        0,
+        "no tick yet"
+    );
+    host.advance(Duration::from_millis(1)).unwrap();
+    // vm2 replays on its tick: 10 decisions, only the last 4 still in the ring.
+    assert_eq!(host.metric_value("mmrouter.log_skipped"), Some(6));
+}
+
+// ---- memory ----
+
+#[test]
+fn a_thousand_requests_with_1mib_inline_images_keep_linear_memory_bounded() {
+    // The index is capped (4096 blocks per worker) so that what is left to grow is what the
+    // bodies cost; with the default cap (65,536 blocks, ~7 MiB per worker) the index itself
+    // grows until full, by design (docs/PROXY_HOST.md has both measurements).
+    let host = host();
+    let extra = r#""metrics":{"poll_ms":0},"index":{"capacity_blocks":4096}"#;
+    let vm = host
+        .vm(vm_config(2, extra).log_level(LogLevel::Warn))
+        .unwrap();
+    let start = vm.memory_bytes();
+    let img = b64(&png(1024, 1024, 1 << 20, 42));
+    let base = image_body(&img, "what is in this picture?");
+    let pos = base.find("base64,").unwrap() + 7 + 4096; // a spot inside the image data
+    let mut after_100 = 0;
+    let mut high = 0;
+    let mut samples = Vec::new();
+    for i in 0..1000u32 {
+        // A different image each time: overwrite 8 base64 characters.
+        let mut body = base.clone().into_bytes();
+        let tag = format!("{:08X}", i.wrapping_mul(2_654_435_761));
+        body[pos..pos + 8].copy_from_slice(tag.as_bytes());
+        let s = vm
+            .request()
+            .header(":path", "/v1/chat/completions")
+            .body(&body)
+            .chunk_size(64 * 1024)
+            .send()
+            .unwrap();
+        assert!(s.request_header(DEST).is_some(), "request {i}");
+        high = high.max(vm.memory_bytes());
+        if i == 99 {
+            after_100 = vm.memory_bytes();
+        }
+        if (i + 1) % 100 == 0 {
+            samples.push(vm.memory_bytes());
+        }
+    }
+    assert_eq!(host.metric_value("mmrouter.images"), Some(1000));
+    assert_eq!(
+        host.metric_value("mmrouter.fallback.bad_image")
+            .unwrap_or(0),
+        0
+    );
+    assert_eq!(
+        host.metric_value("mmrouter.blocks_total").map(|b| b > 0),
+        Some(true)
+    );
+    eprintln!(
+        "linear memory: {start} B at start, {after_100} B after 100 requests, {high} B high-water after 1000 (body {} B); every 100: {samples:?}",
+        base.len()
+    );
+    // Bounded: a plateau is reached (nothing grows over the last 500 requests) and the
+    // warm-up costs at most 2 MiB more than the first 100 requests did.
+    assert_eq!(samples[4], samples[9], "memory still growing: {samples:?}");
+    assert!(
+        high <= after_100 + (2 << 20),
+        "memory grew from {after_100} to {high} bytes"
+    );
+    assert!(high < 16 << 20, "high-water {high} bytes");
+    assert!(vm.failure().is_none());
 }

@@ -261,6 +261,8 @@ pub(crate) struct SharedState {
     pub(crate) now: Duration,
     /// Wall-clock time at `now == 0`.
     pub(crate) epoch: SystemTime,
+    /// Simulated races: (key suffix, remaining). See [`Host::race_shared_data`].
+    pub(crate) races: Option<(String, u32)>,
 }
 
 impl SharedState {
@@ -313,6 +315,7 @@ impl Host {
                     queue_ready: VecDeque::new(),
                     now: Duration::ZERO,
                     epoch,
+                    races: None,
                 }),
                 vms: Mutex::new(Vec::new()),
                 next_vm: AtomicU64::new(1),
@@ -430,6 +433,23 @@ impl Host {
     /// Writes shared data as a VM would (`cas` 0 = unconditional), for preloading state.
     pub fn set_shared_data(&self, vm_id: &str, key: &str, value: &[u8], cas: u32) -> Status {
         lock(&self.shared.state).data.set(vm_id, key, value, cas)
+    }
+
+    /// Simulates another worker thread winning CAS races: for the next `times` reads
+    /// (`proxy_get_shared_data`) of a key ending with `key_suffix`, the host rewrites that key
+    /// with its same value right after the read, so the reader's CAS is stale and its next
+    /// conditional write fails with `CAS_MISMATCH` — what happens in Envoy when two workers
+    /// update the same key at once.
+    pub fn race_shared_data(&self, key_suffix: &str, times: u32) {
+        lock(&self.shared.state).races = Some((key_suffix.to_string(), times));
+    }
+
+    /// Races set up by [`Host::race_shared_data`] that have not happened yet.
+    pub fn races_left(&self) -> u32 {
+        lock(&self.shared.state)
+            .races
+            .as_ref()
+            .map_or(0, |(_, n)| *n)
     }
 
     /// The shared-data keys of `vm_id`, sorted.
