@@ -255,11 +255,14 @@ impl FilterConfig {
             if !self.metrics.path.starts_with('/') {
                 return Err(ConfigError::new("metrics.path", "must start with `/`"));
             }
-            if self.metrics.timeout_ms == 0 || self.metrics.cluster.is_empty() {
+            if self.metrics.timeout_ms == 0 || self.metrics.timeout_ms >= self.metrics.poll_ms {
                 return Err(ConfigError::new(
                     "metrics.timeout_ms",
-                    "polling needs a timeout > 0 and a cluster",
+                    "must be > 0 and shorter than metrics.poll_ms, so that polls never overlap",
                 ));
+            }
+            if self.metrics.cluster.is_empty() {
+                return Err(ConfigError::new("metrics.cluster", "must name a cluster"));
             }
         }
         self.router.validate()
@@ -339,6 +342,12 @@ mod tests {
         assert_eq!(
             err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"state":{"log_slot":3}}"#),
             "state.log_slot"
+        );
+        assert_eq!(
+            err_field(
+                r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"metrics":{"poll_ms":100,"timeout_ms":100}}"#
+            ),
+            "metrics.timeout_ms"
         );
         assert_eq!(err_field("[1]"), "(document)");
         assert_eq!(err_field("{"), "(document)");
