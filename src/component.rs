@@ -8,6 +8,9 @@
 //! The records mirror the `mmrouter inspect` JSON ([`crate::report`]) except that block keys
 //! are `u64` here (JSON writes them as hex strings).
 
+// The generated lifting/lowering code of the records takes one argument per flattened field.
+#![allow(clippy::too_many_arguments)]
+
 use crate::analysis::{MediaReport, describe_image as describe_one};
 use crate::identity::IdSource as CoreIdSource;
 use crate::image_header::ImageFormat as CoreImageFormat;
