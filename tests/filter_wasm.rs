@@ -243,6 +243,64 @@ fn bodies_the_filter_cannot_use_fail_open_to_a_worker_and_are_counted_by_reason(
 }
 
 #[test]
+fn oversize_bodies_are_decided_early_and_never_buffered_whole() {
+    let host = host();
+    let extra = r#""metrics":{"poll_ms":0},"limits":{"max_body_bytes":4096}"#;
+    let vm = host.vm(vm_config(2, extra)).unwrap();
+    let big = text_body(&"b".repeat(20_000));
+
+    // Announced by content-length: routed at the headers, no pause, no body callback pauses.
+    let announced = chat(&vm, &big)
+        .header("content-length", &big.len().to_string())
+        .send()
+        .unwrap();
+    assert_eq!(
+        announced.action(Callback::RequestHeaders),
+        Some(Action::Continue)
+    );
+    assert!(
+        !announced
+            .actions()
+            .iter()
+            .any(|(c, a)| *c == Callback::RequestBody && *a == Action::Pause),
+        "{:?}",
+        announced.actions()
+    );
+    worker_of(announced.request_header(DEST));
+    assert_eq!(
+        announced.upstream_body().len(),
+        big.len(),
+        "body forwarded whole"
+    );
+
+    // Chunked, no content-length: decided at the first chunk that crosses the limit; later
+    // chunks flow on.
+    let chunked = chat(&vm, &big).chunk_size(1024).send().unwrap();
+    let body_actions: Vec<Action> = chunked
+        .actions()
+        .iter()
+        .filter(|(c, _)| *c == Callback::RequestBody)
+        .map(|(_, a)| *a)
+        .collect();
+    let pauses = body_actions
+        .iter()
+        .take_while(|a| **a == Action::Pause)
+        .count();
+    assert_eq!(
+        pauses, 4,
+        "paused until 4 KiB was buffered: {body_actions:?}"
+    );
+    assert!(
+        body_actions[pauses..]
+            .iter()
+            .all(|a| *a == Action::Continue)
+    );
+    worker_of(chunked.request_header(DEST));
+    assert_eq!(chunked.upstream_body().len(), big.len());
+    assert_eq!(host.metric_value("mmrouter.fallback.too_large"), Some(2));
+}
+
+#[test]
 fn without_allow_on_headers_stop_iteration_envoy_never_delivers_the_body() {
     // Envoy's default: a Pause from on_request_headers stops ALL iteration. The filter needs
     // `allow_on_headers_stop_iteration: true`; without it the request hangs, as in Envoy.

@@ -324,6 +324,20 @@ impl HttpContext for FilterStream {
             return Action::Continue;
         }
         s.metrics.request();
+        // A body announced over the limit is not buffered at all: it streams to the
+        // least-loaded worker, and never occupies the VM's memory or Envoy's buffer.
+        let limit = s.router.config.router.limits.max_body_bytes;
+        let announced = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        if announced.is_some_and(|n| n > limit) {
+            let d = s.router.route_without_body(
+                Fallback::TooLarge,
+                &HostStore,
+                now_ms(),
+                self.random(),
+            );
+            self.apply(&mut s, d);
+            return Action::Continue;
+        }
         if end_of_stream {
             let d =
                 s.router
@@ -341,18 +355,23 @@ impl HttpContext for FilterStream {
         if !self.routing {
             return Action::Continue;
         }
-        if !end_of_stream {
-            return Action::Pause;
-        }
-        self.routing = false;
         let Some(shared) = self.shared.clone() else {
+            self.routing = false;
             return Action::Continue;
         };
         let Ok(mut s) = shared.try_borrow_mut() else {
+            self.routing = false;
             return Action::Continue;
         };
+        let over_limit = body_size > s.router.config.router.limits.max_body_bytes;
+        if !end_of_stream && !over_limit {
+            return Action::Pause;
+        }
+        // Complete, or already over the limit (a chunked body without content-length): decide
+        // now; an oversize body streams on from here without being read.
+        self.routing = false;
         let random = self.random();
-        let decision = if body_size > s.router.config.router.limits.max_body_bytes {
+        let decision = if over_limit {
             s.router
                 .route_without_body(Fallback::TooLarge, &HostStore, now_ms(), random)
         } else {

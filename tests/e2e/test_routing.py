@@ -134,6 +134,20 @@ def test_a_body_over_the_filter_limit_falls_back_to_the_least_loaded_worker():
         stack.close()
 
 
+def test_a_body_over_both_limits_streams_to_a_worker_instead_of_413():
+    # content-length announces more than limits.max_body_bytes: the filter decides at the
+    # headers and never buffers, so Envoy's smaller buffer limit does not apply either.
+    # (200 KiB of text is ~40k tokens: within the mock's default KV pool of 65,536 tokens.)
+    stack = Stack(workers=2, buffer_limit=128 * 1024,
+                  plugin_config={"limits": {"max_body_bytes": 64 * 1024}})
+    try:
+        status, h, _ = stack.post(chat(png(8, 8, seed=4), text="z" * (200 * 1024)))
+        assert status == 200 and h["x-mock-worker"] in ("w0", "w1")
+        assert 'mmrouter_fallback{reason="too_large"}' in stack.stats()
+    finally:
+        stack.close()
+
+
 def test_streaming_passes_through_with_usage(stack):
     body = chat(png(200, 100, seed=9), stream=True, stream_options={"include_usage": True})
     status, h, raw = stack.post(body)
