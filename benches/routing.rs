@@ -113,7 +113,7 @@ fn setup(workers: usize) -> Setup {
     let loads = (0..workers)
         .map(|_| WorkerLoad {
             inflight: (rng.next() % 8) as u32,
-            prefill_tokens: rng.next() % 4096,
+            prefill_blocks: rng.next() % 256,
             waiting: Some((rng.next() % 4) as f64),
             running: Some((rng.next() % 32) as f64),
             kv_usage: Some((rng.next() % 100) as f64 / 100.0),

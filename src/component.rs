@@ -100,7 +100,7 @@ impl Guest for Router {
                 held: w.held,
                 load: WorkerLoad {
                     inflight: w.inflight,
-                    prefill_tokens: w.prefill_tokens,
+                    prefill_blocks: w.prefill_blocks,
                     waiting: w.waiting,
                     running: w.running,
                     kv_usage: w.kv_usage,

@@ -7,7 +7,7 @@
 //! ```text
 //! cost(w) = prefill_weight × (total_blocks − overlap_credit × credited_blocks(w))
 //!         + inflight_weight × inflight(w)
-//!         + pending_prefill_weight × prefill_tokens(w)
+//!         + pending_prefill_weight × prefill_blocks(w)
 //!         + waiting_weight × waiting(w)        (when known)
 //!         + running_weight × running(w)        (when known)
 //!         + kv_usage_weight × kv_usage(w)      (when known, 0..1)
@@ -62,10 +62,9 @@ pub struct ScoringConfig {
     /// a share of each engine step rather than by its own prompt: a few blocks' worth. It is
     /// the router's freshest load signal (metrics lag a scrape interval).
     pub inflight_weight: f64,
-    /// Cost of one token still to prefill among the worker's in-flight requests (default
-    /// 0.0625 = 1/16 per token, i.e. 1.0 per block at vLLM's default block size 16: a waiting
-    /// token of another request delays the new one as much as one of its own). With another
-    /// block size set `prefill_weight / block_size`. Unit: cost per token.
+    /// Cost of one block still to prefill among the worker's in-flight requests (default 1.0:
+    /// a block of another request waiting for prefill delays the new one as much as one of its
+    /// own). Unit: cost per block, at whatever block size the router is configured with.
     pub pending_prefill_weight: f64,
     /// Cost of one request waiting in the engine's queue, from `vllm:num_requests_waiting`
     /// (default 16.0 blocks per request, a typical 256-token prompt; vLLM queues requests
@@ -100,7 +99,7 @@ impl Default for ScoringConfig {
             overlap_credit: 1.0,
             prefill_weight: 1.0,
             inflight_weight: 4.0,
-            pending_prefill_weight: 1.0 / 16.0,
+            pending_prefill_weight: 1.0,
             waiting_weight: 16.0,
             running_weight: 2.0,
             kv_usage_weight: 32.0,
@@ -144,9 +143,9 @@ impl ScoringConfig {
 pub struct WorkerLoad {
     /// Requests this router sent to the worker that have not finished.
     pub inflight: u32,
-    /// Tokens of those requests still to prefill (their uncached prompt tokens, until their
-    /// first response byte).
-    pub prefill_tokens: u64,
+    /// Blocks of those requests still to prefill (their uncached prompt, rounded up to whole
+    /// blocks, until their first response byte).
+    pub prefill_blocks: u64,
     /// Engine queue depth (`vllm:num_requests_waiting`), when scraped.
     pub waiting: Option<f64>,
     /// Running requests (`vllm:num_requests_running`), when scraped.
@@ -257,7 +256,7 @@ impl<'a> Scorer<'a> {
         let mut cost = c.prefill_weight
             * (self.total as f64 - c.overlap_credit * self.credited(w) as f64)
             + c.inflight_weight * f64::from(load.inflight)
-            + c.pending_prefill_weight * load.prefill_tokens as f64;
+            + c.pending_prefill_weight * load.prefill_blocks as f64;
         for (value, weight, max) in [
             (load.waiting, c.waiting_weight, f64::INFINITY),
             (load.running, c.running_weight, f64::INFINITY),

@@ -360,7 +360,7 @@ fn score_export_matches_the_native_index_and_scorer() {
             keys.clone(),
             WorkerLoad {
                 inflight: 40,
-                prefill_tokens: 200_000,
+                prefill_blocks: 12_500,
                 waiting: Some(30.0),
                 running: Some(64.0),
                 kv_usage: Some(0.97),
@@ -372,7 +372,7 @@ fn score_export_matches_the_native_index_and_scorer() {
         .map(|(held, l)| Worker {
             held: held.clone(),
             inflight: l.inflight,
-            prefill_tokens: l.prefill_tokens,
+            prefill_blocks: l.prefill_blocks,
             waiting: l.waiting,
             running: l.running,
             kv_usage: l.kv_usage,

@@ -57,7 +57,7 @@ fn exercise(body: &[u8], router: &mut Router, store: &MemoryStore) {
     let _ = analyze(body, &RouterConfig::default());
     let (decision, _) = router.route(body, store, 1_000, 7);
     assert!(decision.worker < 2);
-    router.finished(store, decision.worker, decision.prefill_tokens);
+    router.finished(store, decision.worker, decision.prefill_blocks);
 }
 
 #[derive(Debug, Clone)]

@@ -140,7 +140,7 @@ fn prefill(host: &Host, n: usize) -> Vec<u64> {
     state
         .loads(&HostStore(host))
         .iter()
-        .map(|l| l.prefill_tokens)
+        .map(|l| l.prefill_blocks)
         .collect()
 }
 
@@ -371,7 +371,7 @@ fn inflight_is_counted_while_a_request_is_open_and_released_at_its_end_or_reset(
     let mut expect = vec![0, 0];
     expect[wa] += 1;
     assert_eq!(inflight(&host, 2), expect);
-    assert!(prefill(&host, 2)[wa] > 0, "prefill tokens are counted");
+    assert!(prefill(&host, 2)[wa] > 0, "prefill blocks are counted");
 
     // Normal end: prefill released at response headers, in-flight at the end of the stream.
     let a = vm

@@ -30,7 +30,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.overlap_credit, 1.0);
     assert_eq!(c.prefill_weight, 1.0);
     assert_eq!(c.inflight_weight, 4.0);
-    assert_eq!(c.pending_prefill_weight, 0.0625);
+    assert_eq!(c.pending_prefill_weight, 1.0);
     assert_eq!(c.waiting_weight, 16.0);
     assert_eq!(c.running_weight, 2.0);
     assert_eq!(c.kv_usage_weight, 32.0);
@@ -113,10 +113,10 @@ fn inflight_weight_pushes_away_from_busy_workers() {
 }
 
 #[test]
-fn pending_prefill_tokens_count_as_blocks() {
+fn pending_prefill_blocks_count_like_own_blocks() {
     let loads = [
         WorkerLoad {
-            prefill_tokens: 640, // 40 blocks still to prefill
+            prefill_blocks: 40,
             ..idle()
         },
         idle(),

@@ -17,7 +17,7 @@
 //!    `x-gateway-destination-endpoint: ip:port` for the ORIGINAL_DST cluster, log
 //!    `[ROUTING] Best: <worker> with X/Y blocks overlap`.
 //! 3. `on_http_response_headers`: `x-mmrouter-worker` and `x-mmrouter-overlap` on the response;
-//!    the worker's prefill tokens are released (first byte means prefill is done).
+//!    the worker's prefill blocks are released (first byte means prefill is done).
 //! 4. `on_log` (every stream end, resets included): in-flight count released, once.
 //!
 //! Fail open: a body that is not JSON, over the size limit, or that fails analysis (corrupt

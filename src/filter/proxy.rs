@@ -293,7 +293,7 @@ impl FilterStream {
             ),
         }
         shared.metrics.routed(&decision);
-        self.prefill_outstanding = decision.prefill_tokens;
+        self.prefill_outstanding = decision.prefill_blocks;
         self.decision = Some(decision);
     }
 }

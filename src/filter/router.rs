@@ -38,8 +38,8 @@ pub struct Decision {
     pub worker: usize,
     pub matched_blocks: usize,
     pub total_blocks: usize,
-    /// Prompt tokens the worker still has to prefill (estimate), released at first byte.
-    pub prefill_tokens: u64,
+    /// Blocks the worker still has to prefill (estimate), released at first byte.
+    pub prefill_blocks: u64,
     /// Media items in the request.
     pub media: usize,
     pub fallback: Option<Fallback>,
@@ -141,9 +141,12 @@ impl Router {
         let (loads, healthy) = self.current_loads(store, now_ms);
         let total = keys.len();
         let (worker, matched) = self.choose_healthy(total, &loads, &healthy, random);
-        let block_size = analysis.layout.block_size as u64;
-        let prefill =
-            (analysis.layout.prompt_tokens as u64).saturating_sub(matched as u64 * block_size);
+        // What the worker has left to prefill, in the scoring's unit: blocks (the partial last
+        // block counts as one).
+        let block_size = analysis.layout.block_size.max(1) as u64;
+        let prefill = (analysis.layout.prompt_tokens as u64)
+            .div_ceil(block_size)
+            .saturating_sub(matched as u64);
         let logged = self
             .shared
             .append(store, worker as u32, now_ms, keys)
@@ -153,7 +156,7 @@ impl Router {
             worker,
             matched_blocks: matched,
             total_blocks: total,
-            prefill_tokens: prefill,
+            prefill_blocks: prefill,
             media: analysis.media.len(),
             fallback: None,
             recorded: logged && loaded,
@@ -253,7 +256,7 @@ impl Router {
                 } else {
                     WorkerLoad {
                         inflight: u32::MAX,
-                        prefill_tokens: u64::MAX,
+                        prefill_blocks: u64::MAX,
                         ..*l
                     }
                 }
@@ -265,7 +268,7 @@ impl Router {
             worker,
             matched_blocks: 0,
             total_blocks: 0,
-            prefill_tokens: 0,
+            prefill_blocks: 0,
             media: 0,
             fallback: Some(why),
             recorded,
@@ -304,18 +307,18 @@ impl Router {
         self.config.metrics.poll_ms > 0 && self.shared.try_lease(store, holder, now_ms, ttl)
     }
 
-    /// The worker's prefill is done (first response byte): release its prefill tokens.
-    pub fn prefill_done(&self, store: &dyn SharedStore, worker: usize, prefill_tokens: u64) {
-        if prefill_tokens > 0 {
+    /// The worker's prefill is done (first response byte): release its prefill blocks.
+    pub fn prefill_done(&self, store: &dyn SharedStore, worker: usize, prefill_blocks: u64) {
+        if prefill_blocks > 0 {
             self.shared
-                .add_load(store, worker, 0, -(prefill_tokens as i64));
+                .add_load(store, worker, 0, -(prefill_blocks as i64));
         }
     }
 
     /// The stream ended (completed or reset): release what is left of its load.
-    pub fn finished(&self, store: &dyn SharedStore, worker: usize, prefill_tokens: u64) -> bool {
+    pub fn finished(&self, store: &dyn SharedStore, worker: usize, prefill_blocks: u64) -> bool {
         self.shared
-            .add_load(store, worker, -1, -(prefill_tokens as i64))
+            .add_load(store, worker, -1, -(prefill_blocks as i64))
     }
 
     /// Every worker's router-side load, as the shared table has it.
@@ -324,18 +327,18 @@ impl Router {
     }
 }
 
-/// The worker with the fewest in-flight requests (then fewest prefill tokens); ties broken by
+/// The worker with the fewest in-flight requests (then fewest prefill blocks); ties broken by
 /// `random` so that an idle cluster is spread evenly.
 pub fn least_loaded(loads: &[WorkerLoad], random: u64) -> usize {
     let best = loads
         .iter()
-        .map(|l| (l.inflight, l.prefill_tokens))
+        .map(|l| (l.inflight, l.prefill_blocks))
         .min()
         .unwrap_or((0, 0));
     let ties: Vec<usize> = loads
         .iter()
         .enumerate()
-        .filter(|(_, l)| (l.inflight, l.prefill_tokens) == best)
+        .filter(|(_, l)| (l.inflight, l.prefill_blocks) == best)
         .map(|(i, _)| i)
         .collect();
     if ties.is_empty() {
@@ -416,7 +419,7 @@ mod tests {
         assert_eq!(first.fallback, None);
         assert!(first.total_blocks > 10);
         assert_eq!(first.matched_blocks, 0);
-        vm1.finished(&store, first.worker, first.prefill_tokens);
+        vm1.finished(&store, first.worker, first.prefill_blocks);
         let (second, _) = vm2.route(&b, &store, 2000, 1);
         assert_eq!(second.worker, first.worker);
         assert_eq!(second.matched_blocks, second.total_blocks);
@@ -429,9 +432,9 @@ mod tests {
         let (d, _) = vm.route(&body(&png(100, 100), "x"), &store, 0, 0);
         let loads = vm.loads(&store);
         assert_eq!(loads[d.worker].inflight, 1);
-        assert_eq!(loads[d.worker].prefill_tokens, d.prefill_tokens);
-        vm.prefill_done(&store, d.worker, d.prefill_tokens);
-        assert_eq!(vm.loads(&store)[d.worker].prefill_tokens, 0);
+        assert_eq!(loads[d.worker].prefill_blocks, d.prefill_blocks);
+        vm.prefill_done(&store, d.worker, d.prefill_blocks);
+        assert_eq!(vm.loads(&store)[d.worker].prefill_blocks, 0);
         vm.finished(&store, d.worker, 0);
         assert_eq!(vm.loads(&store)[d.worker].inflight, 0);
     }
@@ -467,18 +470,18 @@ mod tests {
         for seed in 0..8 {
             let (d, _) = vm.route(&body(&png(64 + seed, 64), "q"), &store, 1100, seed as u64);
             assert_eq!(d.worker, 1, "the engine says w0 is saturated");
-            vm.finished(&store, d.worker, d.prefill_tokens);
+            vm.finished(&store, d.worker, d.prefill_blocks);
         }
         // Metrics older than three poll periods no longer count.
         let (d0, _) = vm.route(&body(&png(200, 64), "q"), &store, 1000 + 1501, 0);
         let (d1, _) = vm.route(&body(&png(201, 64), "q"), &store, 1000 + 1501, 0);
         assert_ne!(d0.worker, d1.worker, "stale metrics ignored: load spreads");
-        vm.finished(&store, d0.worker, d0.prefill_tokens);
-        vm.finished(&store, d1.worker, d1.prefill_tokens);
+        vm.finished(&store, d0.worker, d0.prefill_blocks);
+        vm.finished(&store, d1.worker, d1.prefill_blocks);
         // w1 stops answering: after 3 failed polls it is skipped, even with its cache.
         let b = body(&png(300, 300), "again");
         let (first, _) = vm.route(&b, &store, 2000, 5);
-        vm.finished(&store, first.worker, first.prefill_tokens);
+        vm.finished(&store, first.worker, first.prefill_blocks);
         for t in 0..3 {
             assert!(!vm.record_poll(&store, first.worker, None, 2100 + t));
         }

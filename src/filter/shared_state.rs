@@ -9,7 +9,7 @@
 //! reconfiguration never reads another configuration's layout:
 //!
 //! - **Load table** (`<prefix>.load`): 12 bytes per worker (in-flight requests u32, prefill
-//!   tokens outstanding u64, little-endian). Updated with a CAS loop: read value and CAS token,
+//!   blocks outstanding u64, little-endian). Updated with a CAS loop: read value and CAS token,
 //!   modify, write with the token; on `CAS_MISMATCH` another VM wrote in between, so read again
 //!   and retry. No update is lost; a VM that loses the race only retries. Reading all loads is
 //!   one `get` of 12 × workers bytes.
@@ -169,7 +169,7 @@ impl SharedState {
         for (load, chunk) in loads.iter_mut().zip(bytes.chunks_exact(12)) {
             let (a, b) = chunk.split_at(4);
             load.inflight = a.try_into().map(u32::from_le_bytes).unwrap_or(0);
-            load.prefill_tokens = b.try_into().map(u64::from_le_bytes).unwrap_or(0);
+            load.prefill_blocks = b.try_into().map(u64::from_le_bytes).unwrap_or(0);
         }
         loads
     }
@@ -197,12 +197,12 @@ impl SharedState {
                 load.inflight = add_signed(u64::from(load.inflight), d_inflight)
                     .try_into()
                     .unwrap_or(u32::MAX);
-                load.prefill_tokens = add_signed(load.prefill_tokens, d_prefill);
+                load.prefill_blocks = add_signed(load.prefill_blocks, d_prefill);
             }
             let mut out = Vec::with_capacity(self.workers * 12);
             for l in &loads {
                 out.extend_from_slice(&l.inflight.to_le_bytes());
-                out.extend_from_slice(&l.prefill_tokens.to_le_bytes());
+                out.extend_from_slice(&l.prefill_blocks.to_le_bytes());
             }
             match store.set(&self.load_key, &out, cas) {
                 Ok(()) => return true,
@@ -491,8 +491,8 @@ mod tests {
         assert!(s.add_load(&store, 1, 1, 100));
         assert!(s.add_load(&store, 2, -1, -5));
         let loads = s.loads(&store);
-        assert_eq!((loads[1].inflight, loads[1].prefill_tokens), (2, 600));
-        assert_eq!((loads[2].inflight, loads[2].prefill_tokens), (0, 0));
+        assert_eq!((loads[1].inflight, loads[1].prefill_blocks), (2, 600));
+        assert_eq!((loads[2].inflight, loads[2].prefill_blocks), (0, 0));
         assert!(!s.add_load(&store, 3, 1, 0), "no such worker");
     }
 
