@@ -9,13 +9,16 @@
 //! 4. [`tokens`]: estimate the tokens the model spends on it.
 //! 5. [`layout`]: lay the prompt out as KV blocks whose keys carry the image identities.
 //! 6. [`index`]: find which worker holds the longest prefix of those blocks.
-//! 7. [`scoring`]: weigh that against each worker's load and choose.
+//! 7. [`scoring`]: weigh that against each worker's load and choose; [`worker_metrics`] reads
+//!    the engine's own load (vLLM's `/metrics`) for it.
 //!
 //! [`analysis`] runs steps 1-5 for one body, [`report`] turns that into the `inspect` JSON;
 //! [`config`] is the router's configuration.
 //! None of these do I/O, so the same code runs natively, in Envoy, in a browser and in any
-//! Wasm host. The shells around the core are behind features: `filter` (proxy-wasm), `web`
-//! (wasm-bindgen), `component` (WIT), `proxy-host` (a Wasmtime host for proxy-wasm modules).
+//! Wasm host. [`filter`] holds the proxy-wasm filter's host-independent parts (configuration,
+//! shared state, per-VM router); the shells around the core are behind features: `filter`
+//! (the proxy-wasm callbacks), `web` (wasm-bindgen), `component` (WIT), `proxy-host` (a
+//! Wasmtime host for proxy-wasm modules), `native` (the mock vLLM worker).
 #![cfg_attr(
     not(test),
     deny(
@@ -27,6 +30,8 @@
 )]
 
 pub mod analysis;
+#[cfg(feature = "component")]
+pub mod component;
 pub mod config;
 pub mod filter;
 pub mod identity;
@@ -38,11 +43,9 @@ pub mod proxy_host;
 pub mod report;
 pub mod request;
 pub mod scoring;
-pub mod tokens;
-pub mod worker_metrics;
 #[cfg(any(feature = "web", feature = "component"))]
 pub mod shell;
+pub mod tokens;
+pub mod worker_metrics;
 #[cfg(feature = "web")]
 pub mod web;
-#[cfg(feature = "component")]
-pub mod component;

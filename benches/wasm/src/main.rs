@@ -133,7 +133,7 @@ fn main() {
             clock += 1;
             let (d, _) = r.route(black_box(&case.body), &store, clock, clock);
             assert!(d.fallback.is_none());
-            r.finished(&store, d.worker, d.prefill_tokens);
+            r.finished(&store, d.worker, d.prefill_blocks);
         });
 
         if !case.images.is_empty() {
