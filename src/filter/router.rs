@@ -107,7 +107,7 @@ impl Router {
     ) -> (Decision, Option<Analysis>) {
         if body.len() > self.config.router.limits.max_body_bytes {
             return (
-                self.fallback(Fallback::TooLarge, store, now_ms, random),
+                self.route_without_body(Fallback::TooLarge, store, now_ms, random),
                 None,
             );
         }
@@ -116,7 +116,7 @@ impl Router {
             Err(e) => {
                 let reason = AnalyzeError::reason(&e);
                 return (
-                    self.fallback(Fallback::Analyze(reason), store, now_ms, random),
+                    self.route_without_body(Fallback::Analyze(reason), store, now_ms, random),
                     None,
                 );
             }
@@ -239,7 +239,9 @@ impl Router {
         }
     }
 
-    fn fallback(
+    /// Routes a request without its cache affinity (body unusable, over the size limit, or
+    /// absent): the least-loaded healthy worker.
+    pub fn route_without_body(
         &mut self,
         why: Fallback,
         store: &dyn SharedStore,
@@ -273,17 +275,6 @@ impl Router {
             fallback: Some(why),
             recorded,
         }
-    }
-
-    /// Routes a request that will not be analysed (no body, or over the size limit).
-    pub fn route_without_body(
-        &mut self,
-        why: Fallback,
-        store: &dyn SharedStore,
-        now_ms: u64,
-        random: u64,
-    ) -> Decision {
-        self.fallback(why, store, now_ms, random)
     }
 
     /// Records one `/metrics` poll of `worker`: its text, or None when the poll failed

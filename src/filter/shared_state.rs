@@ -174,8 +174,8 @@ impl SharedState {
         loads
     }
 
-    /// Adds `d_inflight` and `d_prefill` to one worker's load (saturating at 0), with a CAS
-    /// loop. Returns false when every retry lost the race or the host refused.
+    /// Adds `d_inflight` and `d_prefill` to one worker's load (saturating at 0). Returns false
+    /// when every CAS retry lost the race or the host refused.
     pub fn add_load(
         &self,
         store: &dyn SharedStore,
@@ -186,13 +186,8 @@ impl SharedState {
         if worker >= self.workers {
             return false;
         }
-        for _ in 0..CAS_RETRIES {
-            let (bytes, cas) = match store.get(&self.load_key) {
-                Ok(Some((bytes, cas))) => (bytes, Some(cas)),
-                Ok(None) => (Vec::new(), None),
-                Err(_) => return false,
-            };
-            let mut loads = self.decode_loads(&bytes);
+        cas_update(store, &self.load_key, |bytes| {
+            let mut loads = self.decode_loads(bytes);
             if let Some(load) = loads.get_mut(worker) {
                 load.inflight = add_signed(u64::from(load.inflight), d_inflight)
                     .try_into()
@@ -204,13 +199,8 @@ impl SharedState {
                 out.extend_from_slice(&l.inflight.to_le_bytes());
                 out.extend_from_slice(&l.prefill_blocks.to_le_bytes());
             }
-            match store.set(&self.load_key, &out, cas) {
-                Ok(()) => return true,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return false,
-            }
-        }
-        false
+            out
+        })
     }
 
     // ---- worker metrics and the poller lease -------------------------------------------
@@ -269,13 +259,8 @@ impl SharedState {
         if worker >= self.workers {
             return false;
         }
-        for _ in 0..CAS_RETRIES {
-            let (bytes, cas) = match store.get(&self.metrics_key) {
-                Ok(Some((bytes, cas))) => (bytes, Some(cas)),
-                Ok(None) => (Vec::new(), None),
-                Err(_) => return false,
-            };
-            let mut entries = self.decode_metrics(&bytes);
+        cas_update(store, &self.metrics_key, |bytes| {
+            let mut entries = self.decode_metrics(bytes);
             if let Some(e) = entries.get_mut(worker) {
                 match polled {
                     Some(m) => {
@@ -295,13 +280,8 @@ impl SharedState {
                 out.extend_from_slice(&e.failures.to_le_bytes());
                 out.extend_from_slice(&e.updated_ms.to_le_bytes());
             }
-            match store.set(&self.metrics_key, &out, cas) {
-                Ok(()) => return true,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return false,
-            }
-        }
-        false
+            out
+        })
     }
 
     /// Takes or renews the poller lease for `holder` until `now_ms + ttl_ms`. True when this
@@ -427,6 +407,30 @@ impl SharedState {
         }
         stats
     }
+}
+
+/// Read-modify-write of one key under CAS: `modify` maps the current value (empty when the key
+/// does not exist) to the new one; on `CAS_MISMATCH` another VM wrote in between, so read
+/// again and retry, up to [`CAS_RETRIES`] times. False when the retries ran out or the host
+/// refused.
+fn cas_update(
+    store: &dyn SharedStore,
+    key: &str,
+    mut modify: impl FnMut(&[u8]) -> Vec<u8>,
+) -> bool {
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = match store.get(key) {
+            Ok(Some((bytes, cas))) => (bytes, Some(cas)),
+            Ok(None) => (Vec::new(), None),
+            Err(_) => return false,
+        };
+        match store.set(key, &modify(&bytes), cas) {
+            Ok(()) => return true,
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Host(_)) => return false,
+        }
+    }
+    false
 }
 
 fn add_signed(v: u64, d: i64) -> u64 {
