@@ -171,20 +171,26 @@ fn bench_floor(c: &mut Criterion, cases: &[Case]) {
 
 fn main() {
     let cases = cases::cases();
+    let config = RouterConfig::default();
     for case in &cases {
+        let Ok(a) = analyze(&case.body, &config) else {
+            panic!("{}: analyze failed", case.name)
+        };
+        let image_tokens: u32 = a.media.iter().map(|m| m.tokens.tokens).sum();
         let sizes: Vec<String> = case
             .images
             .iter()
             .map(|i| format!("{} {}x{} {} B", i.mime, i.width, i.height, i.file.len()))
             .collect();
         eprintln!(
-            "case {}: body {} B; {}",
+            "case {}: body {} B; {}; {image_tokens} image tokens, {} prompt tokens, {} blocks",
             case.name,
             case.body.len(),
-            sizes.join(", ")
+            sizes.join(", "),
+            a.layout.prompt_tokens,
+            a.layout.keys.len()
         );
     }
-    let config = RouterConfig::default();
     let mut c = Criterion::default().configure_from_args();
     bench_analyze(&mut c, &cases, &config);
     bench_parts(&mut c, &cases, &config);
