@@ -375,7 +375,7 @@ mod tests {
         assert_ne!(ab.keys[0], ba.keys[0], "first block holds image 0 already");
         let longer = chat(&["a", "b"], "describe");
         let ab2 = lay(
-            &longer.replace("\"user\"", "\"user\"").replace(
+            &longer.replace(
                 "]}]}",
                 "]},{\"role\":\"assistant\",\"content\":\"ok, more words here to fill blocks\"}]}",
             ),
