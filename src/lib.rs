@@ -46,6 +46,6 @@ pub mod scoring;
 #[cfg(any(feature = "web", feature = "component"))]
 pub mod shell;
 pub mod tokens;
-pub mod worker_metrics;
 #[cfg(feature = "web")]
 pub mod web;
+pub mod worker_metrics;
