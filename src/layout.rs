@@ -19,7 +19,11 @@
 //! A piece's id is xxh3-64 of its bytes, folded to 32 bits. The scheme is local: the pseudo
 //! tokens of a text prefix do not depend on what follows it (up to the last piece boundary),
 //! which is the property BPE tokenizers have at word boundaries and the one prefix caching
-//! relies on. Counts land within about 20% of real tokenizers on English and code.
+//! relies on. The density is set to BPE's on English (about four bytes per token): the test
+//! sentence "The quick brown fox jumps over the lazy dog." is 10 tokens for GPT-4's and Qwen's
+//! tokenizers and 13 pseudo-tokens here. The engine's real count is not needed for matching
+//! (keys only have to agree between requests); it matters for the prefill estimate in the
+//! load terms, where an error of this size shifts every worker alike.
 //!
 //! ## Media
 //! An image becomes its marker tokens (e.g. Qwen's `<|vision_start|>`/`<|vision_end|>`) around
@@ -317,8 +321,8 @@ mod tests {
         let a = tokens("The quick brown fox jumps over the lazy dog.");
         let b = tokens("The quick brown fox jumps over the lazy dog. And then more text.");
         assert_eq!(&b[..a.len()], &a[..]);
-        // 44 bytes of English: real tokenizers give 10; accept 8..=16.
-        assert!((8..=16).contains(&a.len()), "{}", a.len());
+        // 44 bytes of English: GPT-4's and Qwen's tokenizers give 10 (the module docs quote 13).
+        assert_eq!(a.len(), 13);
         assert_eq!(tokens("1234567").len(), 3);
         assert_eq!(tokens("日本語").len(), 3);
         assert_ne!(tokens("cat"), tokens("cap"));
