@@ -50,6 +50,10 @@ import trace as tracegen  # noqa: E402
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 SYSTEMS = ("mmrouter", "sglang", "envoy-rr", "oracle")
 
+MOCK_FLAGS = {"prefill_tps": "prefill-tokens-per-sec", "encoder_ms": "encoder-ms-per-image",
+              "decode_tps": "decode-tokens-per-sec", "gpu_blocks": "num-gpu-blocks",
+              "max_num_seqs": "max-num-seqs", "mm_cache_items": "mm-cache-items"}
+
 # SGLang's balance thresholds scaled to this fleet: its defaults (abs 64, rel 1.5 requests in
 # flight) are for large batches and never trigger at a few requests per worker.
 SGLANG_BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1.5")
@@ -438,11 +442,12 @@ def tools_from_env():
 
 
 def main(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", help="replay this JSONL trace (default: generate one from --seed)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--trace", help="replay this JSONL trace; None = generate one from --seed")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--requests", type=int, help=f"requests in a generated trace [{tracegen.DEFAULTS['requests']}]")
-    ap.add_argument("--rate", type=float, help=f"requests/s of a generated trace [{tracegen.DEFAULTS['rate']}]")
+    ap.add_argument("--requests", type=int, help="requests in a generated trace; None = 300")
+    ap.add_argument("--rate", type=float, help="requests/s of a generated trace; None = 5.0")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated: mmrouter, sglang, sglang-bal, envoy-rr, oracle")
     ap.add_argument("--router-config", action="append", default=[], metavar="LABEL=FILE",
@@ -451,7 +456,8 @@ def main(argv):
     ap.add_argument("--repeat", type=int, default=1, help="runs of every system")
     ap.add_argument("--deadline", type=float, default=110.0, help="seconds after which a run sends nothing more")
     for k, v in WORKER_DEFAULTS.items():
-        ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
+        ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=v,
+                        help="mock-worker --" + MOCK_FLAGS[k])
     ap.add_argument("--images-dir", default=str(Path(tempfile.gettempdir()) / "mmrouter-cmp-images"))
     ap.add_argument("--out", default=str(ROOT / "target/bench-compare"))
     a = ap.parse_args(argv)
