@@ -26,10 +26,40 @@ import sys
 BUFFER_LIMIT = 64 << 20
 
 
-def render(workers, names, wasm, port, admin_port, router_config):
+WASM_FILTER = """          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: mmrouter
+                root_id: mmrouter
+                # The filter pauses at headers and decides on the body: without this Envoy
+                # would never call on_http_request_body after the pause.
+                allow_on_headers_stop_iteration: true
+                # A crashed VM is reloaded instead of failing every request after it.
+                failure_policy: FAIL_RELOAD
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {value}
+                vm_config:
+                  vm_id: mmrouter
+                  runtime: envoy.wasm.runtime.v8
+                  code:
+                    local:
+                      filename: {filename}
+"""
+
+
+def render(workers, names, wasm, port, admin_port, router_config, with_filter=True):
+    """The bootstrap YAML. With with_filter=False the Wasm filter is left out: nothing sets the
+    destination header, so every request takes the round-robin route (a baseline to compare
+    against, same listener, buffers and clusters)."""
     plugin = dict(router_config)
     plugin["workers"] = [{"name": n, "address": a} for n, a in zip(names, workers)]
     plugin_json = json.dumps(plugin, separators=(",", ":"))
+    wasm_filter = (
+        WASM_FILTER.format(value=json.dumps(plugin_json), filename=json.dumps(wasm))
+        if with_filter else ""
+    )
     endpoints = "\n".join(
         f"""        - endpoint:
             address:
@@ -86,27 +116,7 @@ static_resources:
                 request_mutations:
                 - remove: x-gateway-destination-endpoint
                 - remove: x-envoy-original-dst-host
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: mmrouter
-                root_id: mmrouter
-                # The filter pauses at headers and decides on the body: without this Envoy
-                # would never call on_http_request_body after the pause.
-                allow_on_headers_stop_iteration: true
-                # A crashed VM is reloaded instead of failing every request after it.
-                failure_policy: FAIL_RELOAD
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: {json.dumps(plugin_json)}
-                vm_config:
-                  vm_id: mmrouter
-                  runtime: envoy.wasm.runtime.v8
-                  code:
-                    local:
-                      filename: {json.dumps(wasm)}
-          - name: envoy.filters.http.router
+{wasm_filter}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 
@@ -139,21 +149,26 @@ def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", required=True, help="comma-separated ip:port list")
     p.add_argument("--names", help="comma-separated worker names (default w0, w1, ...)")
-    p.add_argument("--wasm", required=True, help="path of mmrouter.wasm")
+    p.add_argument("--wasm", default="", help="path of mmrouter.wasm (required unless --no-filter)")
     p.add_argument("--port", type=int, default=10000)
     p.add_argument("--admin-port", type=int, default=9901)
     p.add_argument("--router-config", help="JSON file merged into the plugin configuration")
+    p.add_argument("--no-filter", action="store_true",
+                   help="leave the mmrouter filter out: plain round robin (a baseline)")
     p.add_argument("--out", help="output file (default stdout)")
     a = p.parse_args(argv)
     workers = [w.strip() for w in a.workers.split(",") if w.strip()]
     names = [n.strip() for n in a.names.split(",")] if a.names else [f"w{i}" for i in range(len(workers))]
+    if not a.no_filter and not a.wasm:
+        p.error("--wasm is required unless --no-filter")
     if len(names) != len(workers):
         p.error("--names must list one name per worker")
     router_config = {}
     if a.router_config:
         with open(a.router_config) as f:
             router_config = json.load(f)
-    text = render(workers, names, a.wasm, a.port, a.admin_port, router_config)
+    text = render(workers, names, a.wasm, a.port, a.admin_port, router_config,
+                  with_filter=not a.no_filter)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

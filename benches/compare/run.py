@@ -95,47 +95,6 @@ def wait_until(pred, timeout, what, proc=None, log=None):
     raise RuntimeError(f"{what} not ready after {timeout}s")
 
 
-ENVOY_RR = """# Plain Envoy: round robin over the workers, no filter (benches/compare/run.py).
-admin:
-  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
-static_resources:
-  listeners:
-  - name: rr
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
-    per_connection_buffer_limit_bytes: {limit}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: rr
-          stream_idle_timeout: 600s
-          request_timeout: 600s
-          route_config:
-            virtual_hosts:
-            - name: llm
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route: {{ cluster: workers, timeout: 600s }}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: workers
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    connect_timeout: 5s
-    per_connection_buffer_limit_bytes: {limit}
-    load_assignment:
-      cluster_name: workers
-      endpoints:
-      - lb_endpoints:
-{endpoints}
-"""
-
-
 class Fleet:
     """N mock workers and one router in front of them; every process is stopped on close."""
 
@@ -156,11 +115,10 @@ class Fleet:
                     [a for _, a, _ in self.workers], [n for n, _, _ in self.workers],
                     str(tools["wasm"]), self.port, free_port(), router_config or {}))
             elif system == "envoy-rr":
-                endpoints = "\n".join(
-                    f"        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, "
-                    f"port_value: {a.rsplit(':', 1)[1]} }} }} }}" for _, a, _ in self.workers)
-                self._start_envoy(ENVOY_RR.format(admin=free_port(), port=self.port,
-                                                  limit=render.BUFFER_LIMIT, endpoints=endpoints))
+                # The same Envoy configuration without the filter: round robin.
+                self._start_envoy(render.render(
+                    [a for _, a, _ in self.workers], [n for n, _, _ in self.workers],
+                    "", self.port, free_port(), {}, with_filter=False))
             elif system == "sglang":
                 self._start_sglang()
             elif system == "sglang-bal":
