@@ -272,9 +272,11 @@ impl FilterStream {
         let Some(worker) = shared.router.config.workers.get(decision.worker) else {
             return;
         };
-        let header = shared.router.config.destination_header.clone();
-        let _ =
-            hostcalls::set_map_value(MapType::HttpRequestHeaders, &header, Some(&worker.address));
+        let _ = hostcalls::set_map_value(
+            MapType::HttpRequestHeaders,
+            &shared.router.config.destination_header,
+            Some(&worker.address),
+        );
         match decision.fallback {
             None => log(
                 LogLevel::Info,
@@ -309,9 +311,9 @@ impl HttpContext for FilterStream {
         let Ok(mut s) = shared.try_borrow_mut() else {
             return Action::Continue;
         };
-        let configured = s.router.config.destination_header.clone();
-        if !STEERING_HEADERS.contains(&configured.as_str()) {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &configured, None);
+        let configured = s.router.config.destination_header.as_str();
+        if !STEERING_HEADERS.contains(&configured) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, configured, None);
         }
         let header = |name: &str| {
             hostcalls::get_map_value(MapType::HttpRequestHeaders, name)

@@ -216,7 +216,7 @@ impl Router {
         if healthy.iter().all(|h| *h) {
             return match choose(total, &self.matched, loads, scoring, random) {
                 Some(c) => (c.worker, c.matched_blocks),
-                None => (least_loaded(loads, random), 0),
+                None => (least_loaded(loads, healthy, random), 0),
             };
         }
         let ids: Vec<usize> = (0..loads.len())
@@ -230,12 +230,7 @@ impl Router {
             .collect();
         match choose(total, &sub_matched, &sub_loads, scoring, random) {
             Some(c) => (ids.get(c.worker).copied().unwrap_or(0), c.matched_blocks),
-            None => (
-                ids.get(least_loaded(&sub_loads, random))
-                    .copied()
-                    .unwrap_or(0),
-                0,
-            ),
+            None => (least_loaded(loads, healthy, random), 0),
         }
     }
 
@@ -249,22 +244,7 @@ impl Router {
         random: u64,
     ) -> Decision {
         let (loads, healthy) = self.current_loads(store, now_ms);
-        let candidates: Vec<WorkerLoad> = loads
-            .iter()
-            .zip(&healthy)
-            .map(|(l, h)| {
-                if *h {
-                    *l
-                } else {
-                    WorkerLoad {
-                        inflight: u32::MAX,
-                        prefill_blocks: u64::MAX,
-                        ..*l
-                    }
-                }
-            })
-            .collect();
-        let worker = least_loaded(&candidates, random);
+        let worker = least_loaded(&loads, &healthy, random);
         let recorded = self.shared.add_load(store, worker, 1, 0);
         Decision {
             worker,
@@ -318,24 +298,29 @@ impl Router {
     }
 }
 
-/// The worker with the fewest in-flight requests (then fewest prefill blocks); ties broken by
-/// `random` so that an idle cluster is spread evenly.
-pub fn least_loaded(loads: &[WorkerLoad], random: u64) -> usize {
-    let best = loads
-        .iter()
-        .map(|l| (l.inflight, l.prefill_blocks))
+/// The eligible worker with the fewest in-flight requests (then fewest prefill blocks); ties
+/// broken by `random` so that an idle cluster is spread evenly. `eligible[w]` false excludes
+/// worker `w` (a missing entry counts as eligible); with no eligible worker, all are.
+pub fn least_loaded(loads: &[WorkerLoad], eligible: &[bool], random: u64) -> usize {
+    let is_eligible = |w: usize| eligible.get(w).copied().unwrap_or(true);
+    let any = (0..loads.len()).any(is_eligible);
+    let candidates = || {
+        loads
+            .iter()
+            .enumerate()
+            .filter(move |(w, _)| !any || is_eligible(*w))
+    };
+    let Some(best) = candidates()
+        .map(|(_, l)| (l.inflight, l.prefill_blocks))
         .min()
-        .unwrap_or((0, 0));
-    let ties: Vec<usize> = loads
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| (l.inflight, l.prefill_blocks) == best)
-        .map(|(i, _)| i)
-        .collect();
-    if ties.is_empty() {
+    else {
         return 0;
-    }
-    ties.get((random % ties.len() as u64) as usize)
+    };
+    let ties: Vec<usize> = candidates()
+        .filter(|(_, l)| (l.inflight, l.prefill_blocks) == best)
+        .map(|(w, _)| w)
+        .collect();
+    ties.get((random % ties.len().max(1) as u64) as usize)
         .copied()
         .unwrap_or(0)
 }
@@ -494,12 +479,15 @@ mod tests {
     fn least_loaded_spreads_ties() {
         let loads = vec![WorkerLoad::default(); 4];
         let picks: std::collections::HashSet<usize> =
-            (0..16).map(|r| least_loaded(&loads, r)).collect();
+            (0..16).map(|r| least_loaded(&loads, &[], r)).collect();
         assert_eq!(picks.len(), 4);
         let mut loads = loads;
         loads[0].inflight = 1;
         loads[1].inflight = 1;
         loads[2].inflight = 1;
-        assert_eq!(least_loaded(&loads, 12345), 3);
+        assert_eq!(least_loaded(&loads, &[], 12345), 3);
+        // An ineligible worker is passed over however idle; with none eligible, all count.
+        assert!(least_loaded(&loads, &[true, true, true, false], 12345) < 3);
+        assert_eq!(least_loaded(&loads, &[false; 4], 12345), 3);
     }
 }
