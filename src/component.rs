@@ -15,7 +15,7 @@ use crate::analysis::{MediaReport, describe_image as describe_one};
 use crate::identity::IdSource as CoreIdSource;
 use crate::image_header::ImageFormat as CoreImageFormat;
 use crate::request::MediaKind as CoreMediaKind;
-use crate::scoring::WorkerLoad;
+use crate::scoring::Candidate;
 use crate::shell::{InspectOptions as CoreOptions, WorkerState, builtin_profiles, config_from};
 use crate::tokens::Profile;
 
@@ -98,12 +98,14 @@ impl Guest for Router {
             .into_iter()
             .map(|w| WorkerState {
                 held: w.held,
-                load: WorkerLoad {
-                    inflight: w.inflight,
-                    prefill_blocks: w.prefill_blocks,
+                load: Candidate {
+                    matched_blocks: 0,
+                    queued_s: w.queued_ms / 1000.0,
                     waiting: w.waiting,
                     running: w.running,
-                    kv_usage: w.kv_usage,
+                    prefill_tps: w.prefill_tps,
+                    footprint: w.footprint,
+                    inflight: w.inflight,
                 },
             })
             .collect();
@@ -113,6 +115,10 @@ impl Guest for Router {
             matched_blocks: saturate(scored.matched_blocks),
             total_blocks: saturate(scored.total_blocks),
             matched: scored.matched.into_iter().map(saturate).collect(),
+            wait_ms: scored.estimate.wait_s * 1000.0,
+            prefill_ms: scored.estimate.prefill_s * 1000.0,
+            recompute_ms: scored.estimate.recompute_s * 1000.0,
+            cost_ms: scored.estimate.cost_s * 1000.0,
         })
     }
 

@@ -3,7 +3,6 @@
 //! its workers and mode around it.
 
 use crate::analysis::MediaDefaults;
-use crate::index::IndexConfig;
 use crate::layout::DEFAULT_BLOCK_SIZE;
 use crate::request::Limits;
 use crate::scoring::ScoringConfig;
@@ -21,7 +20,6 @@ pub struct RouterConfig {
     pub profiles: ProfileConfig,
     /// Token costs of media whose size cannot be read (URLs not fetched, video, audio).
     pub media: MediaDefaults,
-    pub index: IndexConfig,
     pub scoring: ScoringConfig,
 }
 
@@ -32,7 +30,6 @@ impl Default for RouterConfig {
             limits: Limits::default(),
             profiles: ProfileConfig::default(),
             media: MediaDefaults::default(),
-            index: IndexConfig::default(),
             scoring: ScoringConfig::default(),
         }
     }
@@ -87,7 +84,6 @@ impl RouterConfig {
             .validate()
             .map_err(|e| ConfigError::new("profiles", e.to_string()))?;
         self.media.validate()?;
-        self.index.validate()?;
         self.scoring.validate()?;
         Ok(())
     }

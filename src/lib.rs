@@ -33,18 +33,18 @@ pub mod analysis;
 #[cfg(feature = "component")]
 pub mod component;
 pub mod config;
+pub mod feed;
 pub mod filter;
 pub mod identity;
 pub mod image_header;
-pub mod index;
 pub mod layout;
 #[cfg(feature = "proxy-host")]
 pub mod proxy_host;
 pub mod report;
 pub mod request;
 pub mod scoring;
-#[cfg(any(feature = "web", feature = "component"))]
 pub mod shell;
+pub mod state;
 pub mod tokens;
 #[cfg(feature = "web")]
 pub mod web;

@@ -1,127 +1,111 @@
-//! Choosing a worker: cache overlap against load.
+//! Choosing a worker: the time a request would wait and prefill on each worker.
 //!
-//! ## Cost
-//! Every worker gets a cost in **block-equivalents of prefill work** (one block = the prefill of
-//! one KV block of the request, 16 tokens by default); the lowest cost wins:
+//! ## The rule
+//! Moving a request away from the worker that holds its prefix costs recomputing that prefix
+//! elsewhere; keeping it there costs waiting behind that worker's queue. Both are times, so
+//! every candidate worker `w` gets an estimated cost in seconds and the lowest wins:
 //!
 //! ```text
-//! cost(w) = prefill_weight × (total_blocks − overlap_credit × credited_blocks(w))
-//!         + inflight_weight × inflight(w)
-//!         + pending_prefill_weight × prefill_blocks(w)
-//!         + waiting_weight × waiting(w)        (when known)
-//!         + running_weight × running(w)        (when known)
-//!         + kv_usage_weight × kv_usage(w)      (when known, 0..1)
+//! cost(w) = wait(w) + prefill(w) + footprint(w) + running(w)
+//!
+//! wait(w)      = prefill still queued ahead on w: the router's queue clock (see
+//!                crate::state::load), or, when the engine reports a longer queue than the
+//!                router knows of (other routers' traffic), waiting(w) × this request's
+//!                full prefill time, whichever is larger
+//! prefill(w)   = (prompt_tokens − matched_blocks(w) × block_size) / speed(w)
+//! footprint(w) = footprint_weight × max(0, share(w) − 1) × new_tokens(w) / speed(w)
+//! running(w)   = running_ms × running(w) / 1000
 //! ```
 //!
-//! `credited_blocks(w)` is the matched prefix of `w` from the index, except that a worker that
-//! is herding ahead of the others gets 0 (see [`ScoringConfig::herding_margin`]).
+//! - `speed(w)` is the worker's observed prefill speed (uncached prompt tokens per second,
+//!   from its `vllm:request_prefill_time_seconds` and token counters), or
+//!   `prefill_tokens_per_sec` until it has one.
+//! - `matched_blocks(w)` is the prefix of the request's blocks that `w` holds.
+//! - `share(w)` is `w`'s recent footprint (new blocks the router put there, decayed with
+//!   `footprint_half_life_ms`) over the mean of the candidates. A worker that took more than
+//!   its share of new content pays for this request's new tokens in proportion: new content
+//!   spreads over the fleet's caches (as SGLang's router sends unmatched requests to its
+//!   smallest tree) instead of piling onto the one worker that holds a short shared prefix,
+//!   whose sessions would then all queue there. A request that mostly hits its worker's cache
+//!   has few new tokens, so the term cannot pull a conversation away from its history.
+//! - `running(w)` (default 0) is for engines whose steps slow with batch size.
 //!
-//! The first line is Dynamo's `prefill_blocks − overlap_credit × cached_blocks` (overlap
-//! credit 1.0). Dynamo adds the worker's active decode blocks; the router here counts what it
-//! knows without scraping, its own in-flight requests and their remaining prefill, plus the
-//! engine's queue metrics when they are scraped. llm-d weighs normalised scores (queue 2,
-//! kv-utilisation 2, prefix 3, i.e. prefix ≈ 43% of the total); here all terms are in the same
-//! unit, so a weight says directly how many blocks of cache hit one unit of load is worth.
-//! With the defaults, a worker holding a 64-block (1k-token) prefix is preferred over an idle
-//! worker until it has 16 more requests in flight, or 8 (the herding margin) more requests in
-//! flight than the least-loaded worker, whichever comes first.
+//! Load counts once: the queue clock already holds the router's own requests, the engine's
+//! `waiting` is used only where it says more, and in-flight counts only break ties.
+//!
+//! ## Worked example
+//! A follow-up turn of 150 blocks (2,400 tokens); workers prefill 8,000 tokens/s. Worker A
+//! holds 141 of its blocks and has 800 uncached tokens queued (0.100 s); worker B is idle and
+//! holds the 2 blocks of the shared system prompt; footprints are even.
+//!
+//! ```text
+//! A: wait 0.100 + prefill (2400 − 141×16)/8000 = 0.018  → 0.118 s
+//! B: wait 0     + prefill (2400 −   2×16)/8000 = 0.296  → 0.296 s   → A: stay with the KV
+//! ```
+//! Had A 0.300 s queued, A would cost 0.318 s and B 0.296 s: the wait costs more than the
+//! recompute, and the request moves.
 //!
 //! ## Choice
-//! With `temperature` 0 the lowest cost wins. Costs within 1e-9 (relative) of the best are
-//! ties: the tied worker with the fewest in-flight requests wins, and among those `random`
-//! picks one, so equal workers share the traffic instead of the lowest index taking it all.
-//! With `temperature > 0`, costs are min-max normalised to 0..1 over the workers and a worker
-//! is sampled with probability ∝ `exp(−normalised / temperature)`, using `random`.
-//!
-//! `random` is mixed (splitmix64) before use, so a plain counter works; the result is a pure
-//! function of the arguments.
+//! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
+//! best are ties: the tied worker with the longest match wins (a second copy of a prefix for
+//! nothing would only take cache space), then the one with the fewest in-flight requests, and
+//! among those `random` picks one. With `temperature > 0`, costs are min-max normalised to 0..1 and a
+//! worker is sampled with probability ∝ `exp(−normalised / temperature)`. `random` is mixed
+//! (splitmix64) before use, so a plain counter works; the result is a pure function of the
+//! arguments.
 //!
 //! ## Robustness
-//! Zero workers → `None`. Negative metrics count as 0 and `kv_usage` is clamped to 0..1. A
-//! NaN or infinite metric makes that worker's cost infinite: it is chosen only if every worker
-//! is in that state (then by in-flight count and `random`). Matched counts above
-//! `total_blocks` are clamped to it.
+//! No candidates → `None`. Negative or non-finite metrics count as unknown; a speed that is
+//! not a positive finite number falls back to the default. Matched counts above the request's
+//! blocks are clamped.
 
 use crate::config::ConfigError;
 
-/// Scoring weights. Every field is optional in the JSON configuration; the defaults below are
-/// the documented ones.
+/// Scoring parameters. Every field is optional in the JSON configuration.
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScoringConfig {
-    /// Fraction of a matched block's prefill that counts as saved (default 1.0, as Dynamo's
-    /// overlap credit: a cached block costs nothing to prefill). 0 ignores the cache (pure
-    /// load balancing); above 1 over-weights cache hits. Unit: dimensionless, finite, >= 0.
-    pub overlap_credit: f64,
-    /// Cost of one uncached block of the request (default 1.0). This defines the cost unit;
-    /// raising it makes cache overlap count more against the load terms. Unit: cost per
-    /// block, finite, >= 0.
-    pub prefill_weight: f64,
-    /// Cost of one request routed to the worker and not finished (default 4.0 blocks per
-    /// request). A request in flight mostly decodes, which slows the new request's prefill by
-    /// a share of each engine step rather than by its own prompt: a few blocks' worth. It is
-    /// the router's freshest load signal (metrics lag a scrape interval).
-    pub inflight_weight: f64,
-    /// Cost of one block still to prefill among the worker's in-flight requests (default 1.0:
-    /// a block of another request waiting for prefill delays the new one as much as one of its
-    /// own). Unit: cost per block, at whatever block size the router is configured with.
-    pub pending_prefill_weight: f64,
-    /// Cost of one request waiting in the engine's queue, from `vllm:num_requests_waiting`
-    /// (default 16.0 blocks per request, a typical 256-token prompt; vLLM queues requests
-    /// only when it is out of KV space or sequence slots, so a queue is a strong signal).
-    pub waiting_weight: f64,
-    /// Cost of one request running in the engine, from `vllm:num_requests_running` (default
-    /// 2.0 blocks per request: half of `inflight_weight`, because running requests include
-    /// this router's own in-flight ones, already counted).
-    pub running_weight: f64,
-    /// Cost of a full KV cache, from `vllm:kv_cache_usage_perc` (0..1) (default 32.0 blocks at
-    /// 100%): between workers of equal overlap the emptier wins (50% vs 90% is 12.8 blocks),
-    /// while a cache hit of more than 32 blocks still wins. Near full, the engine evicts cached
-    /// blocks and preempts requests.
-    pub kv_usage_weight: f64,
-    /// Softmax temperature over min-max normalised costs (default 0 = always the lowest
-    /// cost). 0.1 picks a worker whose normalised cost is 0.1 worse e^1 ≈ 2.7 times less
-    /// often than the best. Finite, >= 0.
+    /// Prefill speed assumed for a worker until its metrics give one, in uncached prompt
+    /// tokens per second (default 10000, a mid-size model on one modern GPU).
+    pub prefill_tokens_per_sec: f64,
+    /// How strongly new content is steered away from workers that took more than their
+    /// share of it recently (default 0.5; 0 turns the footprint term off). Dimensionless:
+    /// seconds of penalty per second of new prefill, per unit of excess share.
+    pub footprint_weight: f64,
+    /// Half-life of a worker's footprint, in ms (default 60000).
+    pub footprint_half_life_ms: u64,
+    /// Cost of each request running on a worker, in ms (default 0): set it for engines whose
+    /// steps slow noticeably with batch size.
+    pub running_ms: f64,
+    /// Softmax temperature over min-max normalised costs (default 0 = always the lowest).
     pub temperature: f64,
-    /// Hot-prefix herding guard (default 8 requests; `null` or 0 disables). A worker whose
-    /// in-flight count exceeds the least-loaded worker's by more than this gets no credit for
-    /// its cached blocks, so a stream of requests sharing one hot prefix spills to other
-    /// workers (which then cache the prefix too) once the hot worker is this many requests
-    /// ahead, instead of queueing behind it. 8 tolerates bursts of a few requests without
-    /// throwing away cache hits, and stays well below vLLM's batch sizes, where queueing
-    /// starts to cost whole prefills.
-    pub herding_margin: Option<u32>,
 }
 
 impl Default for ScoringConfig {
     fn default() -> Self {
         ScoringConfig {
-            overlap_credit: 1.0,
-            prefill_weight: 1.0,
-            inflight_weight: 4.0,
-            pending_prefill_weight: 1.0,
-            waiting_weight: 16.0,
-            running_weight: 2.0,
-            kv_usage_weight: 32.0,
+            prefill_tokens_per_sec: 10_000.0,
+            footprint_weight: 0.5,
+            footprint_half_life_ms: 60_000,
+            running_ms: 0.0,
             temperature: 0.0,
-            herding_margin: Some(8),
         }
     }
 }
 
 impl ScoringConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let weights = [
-            ("overlap_credit", self.overlap_credit),
-            ("prefill_weight", self.prefill_weight),
-            ("inflight_weight", self.inflight_weight),
-            ("pending_prefill_weight", self.pending_prefill_weight),
-            ("waiting_weight", self.waiting_weight),
-            ("running_weight", self.running_weight),
-            ("kv_usage_weight", self.kv_usage_weight),
+        if !(self.prefill_tokens_per_sec.is_finite() && self.prefill_tokens_per_sec > 0.0) {
+            return Err(ConfigError::new(
+                "scoring.prefill_tokens_per_sec",
+                "must be a finite number > 0",
+            ));
+        }
+        for (name, value) in [
+            ("footprint_weight", self.footprint_weight),
+            ("running_ms", self.running_ms),
             ("temperature", self.temperature),
-        ];
-        for (name, value) in weights {
+        ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(ConfigError::new(
                     format!("scoring.{name}"),
@@ -131,238 +115,245 @@ impl ScoringConfig {
         }
         Ok(())
     }
-
-    /// The effective herding margin (None when disabled).
-    fn margin(&self) -> Option<u32> {
-        self.herding_margin.filter(|&m| m > 0)
-    }
 }
 
-/// What the router knows of one worker's load.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct WorkerLoad {
-    /// Requests this router sent to the worker that have not finished.
-    pub inflight: u32,
-    /// Blocks of those requests still to prefill (their uncached prompt, rounded up to whole
-    /// blocks, until their first response byte).
-    pub prefill_blocks: u64,
-    /// Engine queue depth (`vllm:num_requests_waiting`), when scraped.
+/// The request being routed.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RequestSize {
+    /// Keyed (full) blocks.
+    pub total_blocks: usize,
+    /// Prompt tokens (full blocks plus the partial tail).
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+}
+
+/// What the router knows about one candidate worker.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Candidate {
+    /// Leading blocks of the request the worker holds.
+    pub matched_blocks: usize,
+    /// Prefill queued ahead of the request (the router's queue clock), seconds.
+    pub queued_s: f64,
+    /// `vllm:num_requests_waiting`, when known.
     pub waiting: Option<f64>,
-    /// Running requests (`vllm:num_requests_running`), when scraped.
+    /// `vllm:num_requests_running`, when known.
     pub running: Option<f64>,
-    /// KV cache usage 0..1 (`vllm:kv_cache_usage_perc`), when scraped.
-    pub kv_usage: Option<f64>,
+    /// Observed prefill speed, tokens per second, when known.
+    pub prefill_tps: Option<f64>,
+    /// Recent new blocks put on the worker (decayed).
+    pub footprint: f64,
+    /// Requests in flight (tie-break).
+    pub inflight: u32,
 }
 
-/// The chosen worker and what the choice was based on (enough for the log line
-/// `[ROUTING] Best: <worker> with <matched_blocks>/<total_blocks> blocks overlap`).
+/// One candidate's estimated cost, in seconds, and its parts.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Estimate {
+    pub wait_s: f64,
+    pub prefill_s: f64,
+    /// Prefill of the blocks the best-matched candidate holds and this one does not: the
+    /// recompute that choosing this worker costs.
+    pub recompute_s: f64,
+    pub footprint_s: f64,
+    pub running_s: f64,
+    pub cost_s: f64,
+}
+
+/// The outcome of [`choose`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
-    pub worker: usize,
-    /// Blocks of the request the chosen worker holds (from the index, at most `total_blocks`).
-    pub matched_blocks: usize,
-    pub total_blocks: usize,
-    /// Blocks credited in the cost: `matched_blocks`, or 0 when the herding guard removed the
-    /// chosen worker's advantage.
-    pub credited_blocks: usize,
-    /// The chosen worker's cost (infinite only if every worker's was).
-    pub cost: f64,
-    /// The longest match over all workers (shows when the best cache was passed over).
+    /// Index of the chosen candidate.
+    pub index: usize,
+    /// Candidate indices from best to worst cost (the chosen one first): retries go down it.
+    pub ranking: Vec<usize>,
+    /// Every candidate's estimate, by candidate index.
+    pub estimates: Vec<Estimate>,
+    /// The longest match over all candidates.
     pub best_matched: usize,
-    /// Workers whose cache credit the herding guard removed.
-    pub herded: usize,
 }
 
-/// Chooses a worker for a request of `total_blocks` keyed blocks. `matched[w]` is the prefix
-/// worker `w` holds (missing entries count as 0) and `loads[w]` its load; the workers are
-/// `0..loads.len()`. See the module docs for the cost and the use of `random`.
-pub fn choose(
-    total_blocks: usize,
-    matched: &[usize],
-    loads: &[WorkerLoad],
-    config: &ScoringConfig,
-    random: u64,
-) -> Option<Choice> {
-    let mut costs = Vec::new();
-    choose_with_costs(total_blocks, matched, loads, config, random, &mut costs)
-}
-
-/// [`choose`], also writing every worker's cost into `costs` (for logs and metrics;
-/// `costs[w]` is worker `w`'s cost). Reusing the buffer saves `choose`'s one allocation.
-pub fn choose_with_costs(
-    total_blocks: usize,
-    matched: &[usize],
-    loads: &[WorkerLoad],
-    config: &ScoringConfig,
-    random: u64,
-    costs: &mut Vec<f64>,
-) -> Option<Choice> {
-    let scorer = Scorer::new(total_blocks, matched, loads, config);
-    costs.clear();
-    costs.extend((0..loads.len()).map(|w| scorer.cost(w)));
-    scorer.choose(random, costs)
-}
-
-struct Scorer<'a> {
-    total: usize,
-    matched: &'a [usize],
-    loads: &'a [WorkerLoad],
-    config: &'a ScoringConfig,
-    /// In-flight count above which a worker loses its cache credit.
-    herd_limit: Option<u64>,
-}
-
-impl<'a> Scorer<'a> {
-    fn new(
-        total: usize,
-        matched: &'a [usize],
-        loads: &'a [WorkerLoad],
-        config: &'a ScoringConfig,
-    ) -> Scorer<'a> {
-        let min_inflight = loads.iter().map(|l| l.inflight).min();
-        let herd_limit = match (config.margin(), min_inflight) {
-            (Some(m), Some(min)) => Some(u64::from(min) + u64::from(m)),
-            _ => None,
-        };
-        Scorer {
-            total,
-            matched,
-            loads,
-            config,
-            herd_limit,
-        }
+impl Choice {
+    pub fn estimate(&self) -> Estimate {
+        self.estimates.get(self.index).copied().unwrap_or_default()
     }
 
-    fn matched(&self, w: usize) -> usize {
-        self.matched.get(w).copied().unwrap_or(0).min(self.total)
-    }
-
-    fn load(&self, w: usize) -> WorkerLoad {
-        self.loads.get(w).copied().unwrap_or_default()
-    }
-
-    fn herded(&self, w: usize) -> bool {
-        self.herd_limit
-            .is_some_and(|limit| u64::from(self.load(w).inflight) > limit)
-    }
-
-    fn credited(&self, w: usize) -> usize {
-        if self.herded(w) { 0 } else { self.matched(w) }
-    }
-
-    fn cost(&self, w: usize) -> f64 {
-        let c = self.config;
-        let load = self.load(w);
-        let mut cost = c.prefill_weight
-            * (self.total as f64 - c.overlap_credit * self.credited(w) as f64)
-            + c.inflight_weight * f64::from(load.inflight)
-            + c.pending_prefill_weight * load.prefill_blocks as f64;
-        for (value, weight, max) in [
-            (load.waiting, c.waiting_weight, f64::INFINITY),
-            (load.running, c.running_weight, f64::INFINITY),
-            (load.kv_usage, c.kv_usage_weight, 1.0),
-        ] {
-            if let Some(v) = value {
-                if !v.is_finite() {
-                    return f64::INFINITY;
-                }
-                cost += weight * v.clamp(0.0, max);
-            }
-        }
-        if cost.is_nan() { f64::INFINITY } else { cost }
-    }
-
-    fn choose(&self, random: u64, costs: &[f64]) -> Option<Choice> {
-        if costs.is_empty() {
+    /// The best candidate holding the longest match, when it is not the chosen one (what the
+    /// decision log shows as the alternative that was passed over).
+    pub fn passed_over(&self, candidates: &[Candidate]) -> Option<usize> {
+        if self.best_matched == 0 {
             return None;
         }
-        let random = splitmix64(random);
-        let worker = if self.config.temperature > 0.0 {
-            self.sample(random, costs)
-                .unwrap_or_else(|| self.argmin(random, costs))
-        } else {
-            self.argmin(random, costs)
-        };
-        let mut best_matched = 0;
-        let mut herded = 0;
-        for w in 0..costs.len() {
-            let m = self.matched(w);
-            best_matched = best_matched.max(m);
-            if m > 0 && self.herded(w) {
-                herded += 1;
-            }
-        }
-        Some(Choice {
-            worker,
-            matched_blocks: self.matched(worker),
-            total_blocks: self.total,
-            credited_blocks: self.credited(worker),
-            cost: costs.get(worker).copied().unwrap_or(f64::INFINITY),
-            best_matched,
-            herded,
+        self.ranking.iter().copied().find(|&i| {
+            i != self.index
+                && candidates
+                    .get(i)
+                    .is_some_and(|c| c.matched_blocks >= self.best_matched)
         })
     }
+}
 
-    /// Lowest cost; ties by fewest in-flight, then by `random`.
-    fn argmin(&self, random: u64, costs: &[f64]) -> usize {
-        let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
-        let tol = 1e-9 * best.abs().max(1.0);
-        let tied = |c: f64| c == best || (best.is_finite() && c - best <= tol);
-        let candidates = || {
-            costs
-                .iter()
-                .enumerate()
-                .filter(move |&(_, &c)| tied(c))
-                .map(|(w, _)| (w, self.load(w).inflight))
-        };
-        let fewest = candidates().map(|(_, i)| i).min().unwrap_or(0);
-        let count = candidates().filter(|&(_, i)| i == fewest).count();
-        let pick = pick_below(random, count);
-        candidates()
-            .filter(|&(_, i)| i == fewest)
-            .nth(pick)
-            .map_or(0, |(w, _)| w)
-    }
+fn known(v: Option<f64>) -> Option<f64> {
+    v.filter(|x| x.is_finite() && *x >= 0.0)
+}
 
-    /// Softmax sample over normalised finite costs; None if no cost is finite.
-    fn sample(&self, random: u64, costs: &[f64]) -> Option<usize> {
-        let finite = || costs.iter().copied().filter(|c| c.is_finite());
-        let min = finite().fold(f64::INFINITY, f64::min);
-        let max = finite().fold(f64::NEG_INFINITY, f64::max);
-        if !min.is_finite() {
-            return None;
-        }
-        let range = max - min;
-        let t = self.config.temperature;
-        let weight = |c: f64| {
-            if !c.is_finite() {
-                0.0
-            } else if range > 0.0 {
-                (-((c - min) / range) / t).exp()
-            } else {
-                1.0
-            }
-        };
-        let sum: f64 = costs.iter().map(|&c| weight(c)).sum();
-        // The best worker has weight 1, so sum >= 1.
-        let mut target = unit_f64(random) * sum;
-        let mut last = None;
-        for (w, &c) in costs.iter().enumerate() {
-            let p = weight(c);
-            if p > 0.0 {
-                last = Some(w);
-                if target < p {
-                    return Some(w);
-                }
-                target -= p;
-            }
-        }
-        last
+/// Estimates every candidate's cost for `request` and chooses one. See the module docs.
+pub fn choose(
+    request: RequestSize,
+    candidates: &[Candidate],
+    config: &ScoringConfig,
+    random: u64,
+) -> Option<Choice> {
+    if candidates.is_empty() {
+        return None;
     }
+    let best_matched = candidates
+        .iter()
+        .map(|c| c.matched_blocks.min(request.total_blocks))
+        .max()
+        .unwrap_or(0);
+    let mean_footprint =
+        candidates.iter().map(|c| c.footprint.max(0.0)).sum::<f64>() / candidates.len() as f64;
+    let estimates: Vec<Estimate> = candidates
+        .iter()
+        .map(|c| estimate(request, c, config, best_matched, mean_footprint))
+        .collect();
+    let cost = |i: usize| estimates.get(i).map_or(f64::INFINITY, |e| e.cost_s);
+    let mut ranking: Vec<usize> = (0..candidates.len()).collect();
+    ranking.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)));
+    let random = splitmix64(random);
+    let index = if config.temperature > 0.0 {
+        sample(&estimates, config.temperature, random)
+            .unwrap_or_else(|| argmin(&estimates, candidates, random))
+    } else {
+        argmin(&estimates, candidates, random)
+    };
+    if let Some(pos) = ranking.iter().position(|&i| i == index) {
+        ranking.remove(pos);
+        ranking.insert(0, index);
+    }
+    Some(Choice {
+        index,
+        ranking,
+        estimates,
+        best_matched,
+    })
+}
+
+fn estimate(
+    request: RequestSize,
+    c: &Candidate,
+    config: &ScoringConfig,
+    best_matched: usize,
+    mean_footprint: f64,
+) -> Estimate {
+    let speed = known(c.prefill_tps)
+        .filter(|s| *s > 0.0)
+        .unwrap_or(config.prefill_tokens_per_sec);
+    let block = request.block_size.max(1) as f64;
+    let matched = c.matched_blocks.min(request.total_blocks);
+    let prompt = request
+        .prompt_tokens
+        .max(request.total_blocks * request.block_size) as f64;
+    let new_tokens = (prompt - matched as f64 * block).max(0.0);
+    let prefill_s = new_tokens / speed;
+    let full_s = prompt / speed;
+    let queued = if c.queued_s.is_finite() {
+        c.queued_s.max(0.0)
+    } else {
+        0.0
+    };
+    let engine_queue = known(c.waiting).map_or(0.0, |w| w * full_s);
+    let wait_s = queued.max(engine_queue);
+    let share = if mean_footprint > 0.0 {
+        c.footprint.max(0.0) / mean_footprint
+    } else {
+        1.0
+    };
+    let footprint_s = config.footprint_weight * (share - 1.0).max(0.0) * prefill_s;
+    let running_s = config.running_ms * known(c.running).unwrap_or(0.0) / 1000.0;
+    let recompute_s = best_matched.saturating_sub(matched) as f64 * block / speed;
+    let cost_s = wait_s + prefill_s + footprint_s + running_s;
+    Estimate {
+        wait_s,
+        prefill_s,
+        recompute_s,
+        footprint_s,
+        running_s,
+        cost_s: if cost_s.is_nan() {
+            f64::INFINITY
+        } else {
+            cost_s
+        },
+    }
+}
+
+/// Lowest cost; ties by the longest match (no duplicate copy of a prefix for nothing), then
+/// fewest in-flight, then `random`.
+fn argmin(estimates: &[Estimate], candidates: &[Candidate], random: u64) -> usize {
+    let best = estimates
+        .iter()
+        .map(|e| e.cost_s)
+        .fold(f64::INFINITY, f64::min);
+    let tol = (1e-9 * best.abs()).max(1e-6);
+    let tied = |c: f64| c == best || (best.is_finite() && c - best <= tol);
+    // Ordering key among ties: longer match first, then fewer in flight.
+    let key = |i: usize| {
+        candidates.get(i).map_or((0, u32::MAX), |c| {
+            (usize::MAX - c.matched_blocks, c.inflight)
+        })
+    };
+    let tied_ids = || {
+        estimates
+            .iter()
+            .enumerate()
+            .filter(move |(_, e)| tied(e.cost_s))
+            .map(|(i, _)| i)
+    };
+    let best_key = tied_ids().map(key).min().unwrap_or((0, 0));
+    let count = tied_ids().filter(|&i| key(i) == best_key).count();
+    let pick = pick_below(random, count);
+    tied_ids()
+        .filter(|&i| key(i) == best_key)
+        .nth(pick)
+        .unwrap_or(0)
+}
+
+/// Softmax sample over normalised finite costs; None if no cost is finite.
+fn sample(estimates: &[Estimate], temperature: f64, random: u64) -> Option<usize> {
+    let finite = || estimates.iter().map(|e| e.cost_s).filter(|c| c.is_finite());
+    let min = finite().fold(f64::INFINITY, f64::min);
+    let max = finite().fold(f64::NEG_INFINITY, f64::max);
+    if !min.is_finite() {
+        return None;
+    }
+    let range = max - min;
+    let weight = |c: f64| {
+        if !c.is_finite() {
+            0.0
+        } else if range > 0.0 {
+            (-((c - min) / range) / temperature).exp()
+        } else {
+            1.0
+        }
+    };
+    let sum: f64 = estimates.iter().map(|e| weight(e.cost_s)).sum();
+    let mut target = unit_f64(random) * sum;
+    let mut last = None;
+    for (i, e) in estimates.iter().enumerate() {
+        let p = weight(e.cost_s);
+        if p > 0.0 {
+            last = Some(i);
+            if target < p {
+                return Some(i);
+            }
+            target -= p;
+        }
+    }
+    last
 }
 
 /// splitmix64's finaliser: spreads a counter or a weak random over all 64 bits.
-fn splitmix64(x: u64) -> u64 {
+pub fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -375,7 +366,7 @@ fn unit_f64(r: u64) -> f64 {
 }
 
 /// Uniform in 0..n (0 when n is 0) by a multiply-high.
-fn pick_below(r: u64, n: usize) -> usize {
+pub fn pick_below(r: u64, n: usize) -> usize {
     ((u128::from(r) * n as u128) >> 64) as usize
 }
 

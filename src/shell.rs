@@ -4,9 +4,9 @@
 
 use crate::analysis::{Analysis, Overrides, analyze_with};
 use crate::config::RouterConfig;
-use crate::index::PrefixIndex;
-use crate::scoring::{WorkerLoad, choose};
+use crate::scoring::{Candidate, Estimate, RequestSize, choose};
 use crate::tokens::Profile;
+use std::collections::HashSet;
 
 /// Profile specs the demos offer. Each is checked with [`Profile::parse`] before it is listed
 /// (see [`builtin_profiles`]), so a spec the core does not accept is never offered.
@@ -69,16 +69,17 @@ pub fn inspect(body: &[u8], options: InspectOptions<'_>) -> Result<Analysis, Str
     analyze_with(body, &config, overrides).map_err(|e| e.to_string())
 }
 
-/// A worker for [`score`]: the block keys it holds and its load.
+/// A worker for [`score`]: the block keys it holds and what the router knows of its load.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct WorkerState {
-    /// Block keys held, in prefix order (inserted into the index as one request's chain).
+    /// Block keys held (e.g. the keys of requests it served).
     pub held: Vec<u64>,
-    pub load: WorkerLoad,
+    /// Its load and metrics; `matched_blocks` is computed from `held`.
+    pub load: Candidate,
 }
 
 /// The outcome of [`score`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Scored {
     /// Index into the workers given.
     pub worker: usize,
@@ -86,12 +87,14 @@ pub struct Scored {
     pub total_blocks: usize,
     /// Leading blocks of the request held by each worker, in the order given.
     pub matched: Vec<usize>,
+    /// The chosen worker's estimate (wait, prefill, recompute, cost).
+    pub estimate: Estimate,
 }
 
-/// Chooses a worker for a request whose block keys are `keys`: the workers' holdings go into a
-/// fresh [`PrefixIndex`] (configured by `config.index`, all at time 0), the request's prefix
-/// is matched against it and [`choose`] weighs the overlap against the loads with
-/// `config.scoring`; `seed` is the tie-break randomness handed to [`choose`].
+/// Chooses a worker for a request whose block keys are `keys` (a prompt of `keys.len()` full
+/// blocks of `config.block_size` tokens): each worker's matched prefix is the leading run of
+/// `keys` it holds, and [`choose`] weighs it against the worker's load with `config.scoring`;
+/// `seed` is the tie-break randomness.
 pub fn score(
     keys: &[u64],
     workers: &[WorkerState],
@@ -101,19 +104,33 @@ pub fn score(
     if workers.is_empty() {
         return Err("no workers to choose from".to_string());
     }
-    let mut index = PrefixIndex::new(config.index.clone(), workers.len());
-    for (w, state) in workers.iter().enumerate() {
-        index.insert(w, &state.held, 0);
-    }
-    let mut matched = Vec::with_capacity(workers.len());
-    index.match_prefix(keys, 0, &mut matched);
-    let loads: Vec<WorkerLoad> = workers.iter().map(|w| w.load).collect();
-    let choice = choose(keys.len(), &matched, &loads, &config.scoring, seed)
+    let matched: Vec<usize> = workers
+        .iter()
+        .map(|w| {
+            let held: HashSet<u64> = w.held.iter().copied().collect();
+            keys.iter().take_while(|k| held.contains(k)).count()
+        })
+        .collect();
+    let candidates: Vec<Candidate> = workers
+        .iter()
+        .zip(&matched)
+        .map(|(w, &m)| Candidate {
+            matched_blocks: m,
+            ..w.load
+        })
+        .collect();
+    let request = RequestSize {
+        total_blocks: keys.len(),
+        prompt_tokens: keys.len() * config.block_size,
+        block_size: config.block_size,
+    };
+    let choice = choose(request, &candidates, &config.scoring, seed)
         .ok_or_else(|| "no worker could be chosen".to_string())?;
     Ok(Scored {
-        worker: choice.worker,
-        matched_blocks: choice.matched_blocks,
-        total_blocks: choice.total_blocks,
+        worker: choice.index,
+        matched_blocks: matched.get(choice.index).copied().unwrap_or(0),
+        total_blocks: keys.len(),
+        estimate: choice.estimate(),
         matched,
     })
 }
@@ -143,13 +160,13 @@ mod tests {
             WorkerState::default(),
             WorkerState {
                 held: vec![1, 2, 3],
-                load: WorkerLoad::default(),
+                load: Candidate::default(),
             },
         ];
         let s = score(&[1, 2, 3, 4], &workers, &RouterConfig::default(), 7).unwrap();
-        assert_eq!(s.matched.len(), 2);
+        assert_eq!(s.matched, vec![0, 3]);
         assert_eq!(s.total_blocks, 4);
-        assert!(s.worker < 2);
+        assert_eq!(s.worker, 1, "both idle: the one holding 3 of 4 blocks");
     }
 
     #[test]

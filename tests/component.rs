@@ -9,9 +9,9 @@
 
 use ::mmrouter::analysis::{Overrides, analyze, analyze_with, describe_image as native_describe};
 use ::mmrouter::config::RouterConfig;
-use ::mmrouter::index::PrefixIndex;
 use ::mmrouter::report::inspect_json;
-use ::mmrouter::scoring::{WorkerLoad, choose};
+use ::mmrouter::scoring::Candidate;
+use ::mmrouter::shell::{WorkerState, score as native_score};
 use ::mmrouter::tokens::Profile;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -344,7 +344,7 @@ fn profiles_export_lists_specs_the_native_core_accepts() {
 }
 
 #[test]
-fn score_export_matches_the_native_index_and_scorer() {
+fn score_export_matches_the_native_scorer() {
     let (mut store, router) = instance();
     let keys = analyze(&body(), &RouterConfig::default())
         .unwrap()
@@ -354,16 +354,18 @@ fn score_export_matches_the_native_index_and_scorer() {
     let half = keys.len() / 2;
     // An idle cold worker, an idle worker holding half the prefix, a busy one holding all.
     let workers = [
-        (Vec::new(), WorkerLoad::default()),
-        (keys[..half].to_vec(), WorkerLoad::default()),
+        (Vec::new(), Candidate::default()),
+        (keys[..half].to_vec(), Candidate::default()),
         (
             keys.clone(),
-            WorkerLoad {
+            Candidate {
+                queued_s: 2.5,
                 inflight: 40,
-                prefill_blocks: 12_500,
                 waiting: Some(30.0),
                 running: Some(64.0),
-                kv_usage: Some(0.97),
+                prefill_tps: Some(9000.0),
+                footprint: 500.0,
+                ..Candidate::default()
             },
         ),
     ];
@@ -372,32 +374,40 @@ fn score_export_matches_the_native_index_and_scorer() {
         .map(|(held, l)| Worker {
             held: held.clone(),
             inflight: l.inflight,
-            prefill_blocks: l.prefill_blocks,
+            queued_ms: l.queued_s * 1000.0,
             waiting: l.waiting,
             running: l.running,
-            kv_usage: l.kv_usage,
+            prefill_tps: l.prefill_tps,
+            footprint: l.footprint,
         })
         .collect();
     let config = RouterConfig::default();
+    let states: Vec<WorkerState> = workers
+        .iter()
+        .map(|(held, l)| WorkerState {
+            held: held.clone(),
+            load: *l,
+        })
+        .collect();
     for seed in [0u64, 1, 0xdead_beef] {
         let got = router
             .call_score(&mut store, &keys, &wit_workers, None, seed)
             .unwrap()
             .unwrap();
-        let mut index = PrefixIndex::new(config.index.clone(), workers.len());
-        for (w, (held, _)) in workers.iter().enumerate() {
-            index.insert(w, held, 0);
-        }
-        let mut matched = Vec::new();
-        index.match_prefix(&keys, 0, &mut matched);
-        assert_eq!(matched, vec![0, half, keys.len()]);
-        let loads: Vec<WorkerLoad> = workers.iter().map(|(_, l)| *l).collect();
-        let want = choose(keys.len(), &matched, &loads, &config.scoring, seed).unwrap();
+        let want = native_score(&keys, &states, &config, seed).unwrap();
+        assert_eq!(want.matched, vec![0, half, keys.len()]);
+        assert_eq!(
+            want.worker, 1,
+            "half the prefix, idle: the busy full match waits too long"
+        );
         assert_eq!(got.worker as usize, want.worker, "seed {seed}");
         assert_eq!(got.matched_blocks as usize, want.matched_blocks);
         assert_eq!(got.total_blocks as usize, keys.len());
         let got_matched: Vec<usize> = got.matched.iter().map(|&m| m as usize).collect();
-        assert_eq!(got_matched, matched);
+        assert_eq!(got_matched, want.matched);
+        assert!((got.cost_ms - want.estimate.cost_s * 1000.0).abs() < 1e-6);
+        assert!((got.wait_ms - want.estimate.wait_s * 1000.0).abs() < 1e-6);
+        assert!((got.recompute_ms - want.estimate.recompute_s * 1000.0).abs() < 1e-6);
     }
     // With a scoring configuration from JSON, and the errors.
     let e = router

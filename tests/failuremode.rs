@@ -6,8 +6,9 @@ use base64::Engine as _;
 use mmrouter::analysis::analyze;
 use mmrouter::config::RouterConfig;
 use mmrouter::filter::config::FilterConfig;
+use mmrouter::filter::poller::Poller;
 use mmrouter::filter::router::Router;
-use mmrouter::filter::shared_state::MemoryStore;
+use mmrouter::state::MemoryStore;
 use proptest::prelude::*;
 use std::path::Path;
 
@@ -36,13 +37,16 @@ fn valid_body() -> Vec<u8> {
     .into_bytes()
 }
 
-fn router() -> Router {
-    Router::new(
+/// A router over two workers, with its membership written to `store` as at configuration.
+fn router_in(store: &MemoryStore) -> Router {
+    let r = Router::new(
         FilterConfig::from_json(
             br#"{"workers":[{"name":"a","address":"127.0.0.1:1"},{"name":"b","address":"127.0.0.1:2"}]}"#,
         )
         .expect("config"),
-    )
+    );
+    Poller::configure(&r, store, 0);
+    r
 }
 
 #[test]
@@ -56,8 +60,9 @@ fn the_valid_body_is_valid() {
 fn exercise(body: &[u8], router: &mut Router, store: &MemoryStore) {
     let _ = analyze(body, &RouterConfig::default());
     let (decision, _) = router.route(body, store, 1_000, 7);
-    assert!(decision.worker < 2);
-    router.finished(store, decision.worker, decision.prefill_blocks);
+    let decision = decision.expect("a worker");
+    assert!(decision.target.slot < 2);
+    router.finished(store, &decision, 2_000, false);
 }
 
 #[derive(Debug, Clone)]
@@ -144,14 +149,14 @@ proptest! {
     #[test]
     fn random_bytes_never_panic(body in prop::collection::vec(any::<u8>(), 0..2048)) {
         let store = MemoryStore::default();
-        exercise(&body, &mut router(), &store);
+        exercise(&body, &mut router_in(&store), &store);
     }
 
     #[test]
     fn random_json_never_panics(value in json_value()) {
         let store = MemoryStore::default();
         let body = serde_json::to_vec(&value).expect("serialises");
-        exercise(&body, &mut router(), &store);
+        exercise(&body, &mut router_in(&store), &store);
     }
 
     #[test]
@@ -161,7 +166,7 @@ proptest! {
             apply(&mut body, m);
         }
         let store = MemoryStore::default();
-        exercise(&body, &mut router(), &store);
+        exercise(&body, &mut router_in(&store), &store);
     }
 }
 
@@ -193,6 +198,6 @@ fn images_whose_headers_claim_absurd_sizes_are_answered() {
         "{err}"
     );
     let store = MemoryStore::default();
-    let (d, _) = router().route(body.as_bytes(), &store, 0, 0);
-    assert!(d.fallback.is_some());
+    let (d, _) = router_in(&store).route(body.as_bytes(), &store, 0, 0);
+    assert!(d.expect("a worker").fallback.is_some());
 }

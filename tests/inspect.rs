@@ -165,5 +165,6 @@ fn defaults_prints_a_configuration_inspect_accepts() {
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(v["block_size"].as_u64(), Some(16));
-    assert!(v["scoring"]["overlap_credit"].is_number());
+    assert!(v["scoring"]["prefill_tokens_per_sec"].is_number());
+    assert!(v.get("index").is_none(), "the per-VM index is gone");
 }

@@ -3,22 +3,28 @@
 //! ```json
 //! {
 //!   "workers": [{"name": "w0", "address": "10.0.0.5:8000"}, ...],
+//!   "sidecar": {"cluster": "mmrouter_sidecar", "poll_ms": 100, ...},
 //!   "mode": "approximate",
 //!   "paths": ["/v1/chat/completions", "/v1/completions"],
 //!   "destination_header": "x-gateway-destination-endpoint",
-//!   "response_headers": true,
-//!   "state": {"log_slots": 1024, "max_record_blocks": 2048, "sync_period_ms": 1000},
-//!   "metrics": {"poll_ms": 500, "path": "/metrics", "timeout_ms": 400,
+//!   "response_headers": false,
+//!   "decision_log": "debug",
+//!   "state": {"capacity_blocks": 16384, "tick_ms": 20, "blocks": {...}, ...},
+//!   "metrics": {"poll_ms": 250, "path": "/metrics", "timeout_ms": 200,
 //!               "cluster": "mmrouter_endpoint", "unhealthy_after": 3},
-//!   "block_size": 16, "profiles": {...}, "scoring": {...}, "index": {...},
+//!   "block_size": 16, "profiles": {...}, "scoring": {...},
 //!   "limits": {...}, "media": {...}
 //! }
 //! ```
 //! The filter's own keys are listed above; every other key is a [`RouterConfig`] field and is
 //! validated as such. Unknown keys are refused, naming the key, so that a typo never routes
 //! badly in silence.
+//!
+//! Where the workers come from: the `workers` list (static), or the sidecar's feed (`sidecar`
+//! set; the list may then be empty or omitted, and is used only until the first feed).
 
 use crate::config::{ConfigError, RouterConfig, json_error};
+use crate::state::StateConfig;
 use serde::Deserialize;
 use std::net::SocketAddr;
 
@@ -27,7 +33,7 @@ use std::net::SocketAddr;
 #[serde(deny_unknown_fields)]
 pub struct Worker {
     /// Name in logs, metrics and the `x-mmrouter-worker` response header: 1-64 characters
-    /// of `[A-Za-z0-9_-]`.
+    /// of `[A-Za-z0-9_.-]`.
     pub name: String,
     /// `ip:port` (`[v6]:port` for IPv6) the ORIGINAL_DST cluster connects to.
     pub address: String,
@@ -37,34 +43,58 @@ pub struct Worker {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// From the filter's own routing decisions (no extra service). The default.
+    /// From the filter's own routing decisions and the workers' `/metrics`. The default
+    /// without a sidecar.
     #[default]
     Approximate,
-    /// From a sidecar that follows vLLM's KV events (not available yet: refused).
+    /// The sidecar's feed (vLLM's KV events and `/metrics`) drives membership, allocation
+    /// clocks and image residency; the filter's decisions still name the text blocks. Needs
+    /// `sidecar`. When the feed goes stale the filter routes in approximate mode until it
+    /// returns.
     Precise,
 }
 
-/// How the filter's VMs share state through proxy-wasm shared data.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct StateConfig {
-    /// Slots in the shared decision log (default 1024). A VM that falls more than this many
-    /// decisions behind skips the oldest; raise it for very high request rates per sync.
-    pub log_slots: u32,
-    /// Most block keys recorded per decision (default 2048 = 32k tokens at block size 16):
-    /// bounds one log record at 8 bytes × this, and the whole log at `log_slots` × that.
-    pub max_record_blocks: u32,
-    /// How often each VM replays new decisions on its tick even without traffic
-    /// (default 1000 ms; every routed request also replays first).
-    pub sync_period_ms: u64,
+/// The per-request decision log line's level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DecisionLog {
+    /// Logged at debug (Envoy's default `wasm` level is info: not shown). The default.
+    #[default]
+    Debug,
+    /// Logged at info.
+    Info,
+    /// Not logged.
+    Off,
 }
 
-impl Default for StateConfig {
+/// The sidecar the state writer polls for its feed (`GET <path>?since=<cursor>`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SidecarConfig {
+    /// Envoy cluster of the sidecar (default `mmrouter_sidecar`).
+    pub cluster: String,
+    /// `:authority` of the poll (default `mmrouter-sidecar`).
+    pub authority: String,
+    /// Path of the feed (default `/v1/feed`).
+    pub path: String,
+    /// Poll period (default 100 ms).
+    pub poll_ms: u64,
+    /// Timeout of one poll (default 90 ms).
+    pub timeout_ms: u64,
+    /// The feed is stale after this long without a good poll (default 1000 ms): routing then
+    /// goes on in approximate mode, polling the workers' `/metrics` itself, until it returns.
+    pub stale_ms: u64,
+}
+
+impl Default for SidecarConfig {
     fn default() -> Self {
-        StateConfig {
-            log_slots: 1024,
-            max_record_blocks: 2048,
-            sync_period_ms: 1000,
+        SidecarConfig {
+            cluster: "mmrouter_sidecar".into(),
+            authority: "mmrouter-sidecar".into(),
+            path: "/v1/feed".into(),
+            poll_ms: 100,
+            timeout_ms: 90,
+            stale_ms: 1000,
         }
     }
 }
@@ -74,12 +104,12 @@ impl Default for StateConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MetricsConfig {
-    /// Poll period (default 500 ms; 0 turns polling off and routing uses only the router's own
-    /// counts).
+    /// Poll period (default 250 ms; 0 turns polling off and routing uses only the router's own
+    /// counts and the configured defaults).
     pub poll_ms: u64,
     /// Path polled on every worker (default `/metrics`).
     pub path: String,
-    /// Timeout of one poll (default 400 ms).
+    /// Timeout of one poll (default 200 ms).
     pub timeout_ms: u64,
     /// Cluster the polls go through (default `mmrouter_endpoint`, the ORIGINAL_DST cluster; the
     /// worker's address travels in the destination header, as for requests).
@@ -92,9 +122,9 @@ pub struct MetricsConfig {
 impl Default for MetricsConfig {
     fn default() -> Self {
         MetricsConfig {
-            poll_ms: 500,
+            poll_ms: 250,
             path: "/metrics".into(),
-            timeout_ms: 400,
+            timeout_ms: 200,
             cluster: "mmrouter_endpoint".into(),
             unhealthy_after: 3,
         }
@@ -104,27 +134,34 @@ impl Default for MetricsConfig {
 /// The whole plugin configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FilterConfig {
+    /// The static worker list (the initial one when a sidecar is configured).
     pub workers: Vec<Worker>,
+    pub sidecar: Option<SidecarConfig>,
     pub mode: Mode,
     /// Request paths (query string ignored) whose POST bodies are routed (default
     /// `/v1/chat/completions` and `/v1/completions`). Other requests pass through untouched.
     pub paths: Vec<String>,
     /// Header the ORIGINAL_DST cluster reads (default `x-gateway-destination-endpoint`).
     pub destination_header: String,
-    /// Add `x-mmrouter-worker` and `x-mmrouter-overlap` to responses (default true).
+    /// Add `x-mmrouter-worker`, `x-mmrouter-overlap` and `x-mmrouter-decision` to responses
+    /// (default false: they name workers, which clients need not know).
     pub response_headers: bool,
+    /// Level of the per-request `[ROUTING]` line (default debug).
+    pub decision_log: DecisionLog,
     pub state: StateConfig,
     pub metrics: MetricsConfig,
     pub router: RouterConfig,
 }
 
-const FILTER_KEYS: [&str; 7] = [
+const FILTER_KEYS: [&str; 9] = [
     "metrics",
     "workers",
+    "sidecar",
     "mode",
     "paths",
     "destination_header",
     "response_headers",
+    "decision_log",
     "state",
 ];
 
@@ -136,12 +173,18 @@ impl FilterConfig {
             return Err(ConfigError::new("(document)", "must be a JSON object"));
         };
         let mut take = |key: &str| map.remove(key);
+        let sidecar: Option<SidecarConfig> = match take("sidecar") {
+            Some(serde_json::Value::Null) | None => None,
+            Some(v) => Some(field("sidecar", v)?),
+        };
         let workers: Vec<Worker> = match take("workers") {
             Some(v) => field("workers", v)?,
-            None => return Err(ConfigError::new("workers", "is required")),
+            None if sidecar.is_some() => Vec::new(),
+            None => return Err(ConfigError::new("workers", "is required without a sidecar")),
         };
         let mode: Mode = match take("mode") {
             Some(v) => field("mode", v)?,
+            None if sidecar.is_some() => Mode::Precise,
             None => Mode::default(),
         };
         let paths: Vec<String> = match take("paths") {
@@ -154,7 +197,11 @@ impl FilterConfig {
         };
         let response_headers: bool = match take("response_headers") {
             Some(v) => field("response_headers", v)?,
-            None => true,
+            None => false,
+        };
+        let decision_log: DecisionLog = match take("decision_log") {
+            Some(v) => field("decision_log", v)?,
+            None => DecisionLog::default(),
         };
         let state: StateConfig = match take("state") {
             Some(v) => field("state", v)?,
@@ -169,10 +216,12 @@ impl FilterConfig {
             serde_json::from_value(serde_json::Value::Object(map)).map_err(|e| json_error(&e))?;
         let config = FilterConfig {
             workers,
+            sidecar,
             mode,
             paths,
             destination_header: destination_header.to_ascii_lowercase(),
             response_headers,
+            decision_log,
             state,
             metrics,
             router,
@@ -182,22 +231,23 @@ impl FilterConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.workers.is_empty() {
-            return Err(ConfigError::new("workers", "needs at least one worker"));
+        if self.workers.is_empty() && self.sidecar.is_none() {
+            return Err(ConfigError::new(
+                "workers",
+                "needs at least one worker (or a sidecar that lists them)",
+            ));
         }
-        if self.workers.len() > 4096 {
-            return Err(ConfigError::new("workers", "at most 4096 workers"));
+        if self.workers.len() > self.state.max_workers {
+            return Err(ConfigError::new(
+                "workers",
+                format!("at most state.max_workers ({})", self.state.max_workers),
+            ));
         }
         for (i, w) in self.workers.iter().enumerate() {
-            let ok_name = !w.name.is_empty()
-                && w.name.len() <= 64
-                && w.name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-            if !ok_name {
+            if !valid_worker_name(&w.name) {
                 return Err(ConfigError::new(
                     format!("workers[{i}].name"),
-                    format!("`{}` must be 1-64 characters of [A-Za-z0-9_-]", w.name),
+                    format!("`{}` must be 1-64 characters of [A-Za-z0-9_.-]", w.name),
                 ));
             }
             if w.address.parse::<SocketAddr>().is_err() {
@@ -216,11 +266,31 @@ impl FilterConfig {
                 ));
             }
         }
-        if self.mode == Mode::Precise {
+        if self.mode == Mode::Precise && self.sidecar.is_none() {
             return Err(ConfigError::new(
                 "mode",
-                "`precise` needs the KV-event sidecar, which this build does not have; use `approximate`",
+                "`precise` needs `sidecar` (the KV-event sidecar's feed); use `approximate` without one",
             ));
+        }
+        if let Some(sc) = &self.sidecar {
+            if sc.cluster.is_empty() || sc.authority.is_empty() || !sc.path.starts_with('/') {
+                return Err(ConfigError::new(
+                    "sidecar",
+                    "needs a cluster, an authority and a path starting with `/`",
+                ));
+            }
+            if sc.poll_ms == 0 || sc.timeout_ms == 0 || sc.timeout_ms >= sc.poll_ms {
+                return Err(ConfigError::new(
+                    "sidecar.timeout_ms",
+                    "poll_ms and timeout_ms must be > 0 and timeout_ms shorter than poll_ms",
+                ));
+            }
+            if sc.stale_ms <= sc.poll_ms {
+                return Err(ConfigError::new(
+                    "sidecar.stale_ms",
+                    "must be longer than sidecar.poll_ms",
+                ));
+            }
         }
         if self.paths.is_empty() || self.paths.iter().any(|p| !p.starts_with('/')) {
             return Err(ConfigError::new(
@@ -239,18 +309,7 @@ impl FilterConfig {
                 "must be a header name",
             ));
         }
-        if !(1..=1 << 20).contains(&self.state.log_slots) {
-            return Err(ConfigError::new("state.log_slots", "must be 1..=1048576"));
-        }
-        if !(1..=1 << 16).contains(&self.state.max_record_blocks) {
-            return Err(ConfigError::new(
-                "state.max_record_blocks",
-                "must be 1..=65536",
-            ));
-        }
-        if self.state.sync_period_ms == 0 {
-            return Err(ConfigError::new("state.sync_period_ms", "must be > 0"));
-        }
+        self.state.validate()?;
         if self.metrics.poll_ms > 0 {
             if !self.metrics.path.starts_with('/') {
                 return Err(ConfigError::new("metrics.path", "must start with `/`"));
@@ -273,6 +332,16 @@ impl FilterConfig {
         let path = path.split('?').next().unwrap_or(path);
         self.paths.iter().any(|p| p == path)
     }
+}
+
+/// Whether `name` can name a worker (in metrics, logs and the response header): 1-64
+/// characters of `[A-Za-z0-9_.-]`.
+pub fn valid_worker_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 fn field<T: serde::de::DeserializeOwned>(
@@ -331,6 +400,12 @@ mod tests {
             err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"mode":"precise"}"#),
             "mode"
         );
+        assert_eq!(err_field(r#"{"sidecar":{}}"#), "(accepted)");
+        assert_eq!(
+            err_field(r#"{"sidecar":{"poll_ms":100,"timeout_ms":100}}"#),
+            "sidecar.timeout_ms"
+        );
+        assert_eq!(err_field(r#"{"sidecar":{"clustr":"x"}}"#), "sidecar.clustr");
         assert_eq!(
             err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"blok_size":16}"#),
             "blok_size"
@@ -342,6 +417,12 @@ mod tests {
         assert_eq!(
             err_field(r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"state":{"log_slot":3}}"#),
             "state.log_slot"
+        );
+        assert_eq!(
+            err_field(
+                r#"{"workers":[{"name":"a","address":"1.2.3.4:1"}],"state":{"blocks":{"buckets":0}}}"#
+            ),
+            "state.buckets"
         );
         assert_eq!(
             err_field(

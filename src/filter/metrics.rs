@@ -2,36 +2,51 @@
 //! `/stats/prometheus`.
 //!
 //! proxy-wasm metrics have no tags, so the worker and the fallback reason are part of the name;
-//! `envoy/envoy.yaml` turns them back into Prometheus labels with `stats_tags`:
+//! `envoy/render.py` turns them back into Prometheus labels with `stats_tags`:
 //!
 //! | name | kind | meaning |
 //! |---|---|---|
 //! | `mmrouter.requests` | counter | POSTs on routed paths |
 //! | `mmrouter.routed.<worker>` | counter | requests sent to each worker |
 //! | `mmrouter.fallback.<reason>` | counter | requests routed to the least-loaded worker because the body could not be used: `too_large`, `no_body`, `bad_json`, `bad_shape`, `bad_request`, `bad_base64`, `bad_image`, `bad_image_size`, `bad_profile` |
+//! | `mmrouter.no_worker` | counter | requests that found no worker known yet (Envoy's default route took them) |
 //! | `mmrouter.images` | counter | media items analysed (hashed) |
 //! | `mmrouter.blocks_total` / `mmrouter.blocks_matched` | counter | request blocks, and blocks the chosen worker already held: their ratio is the fleet's overlap |
 //! | `mmrouter.overlap_percent` | histogram | matched/total blocks per routed request, in percent |
-//! | `mmrouter.state_unrecorded` | counter | decisions whose shared load/log update was lost to contention |
-//! | `mmrouter.log_skipped` | counter | logged decisions a VM skipped because it fell behind the ring |
-//! | `mmrouter.polls_ok` / `mmrouter.polls_failed` | counter | `/metrics` polls of the workers that gave vLLM metrics, and those that did not (timeout, refused, non-200, garbage) |
+//! | `mmrouter.moved` | counter | requests sent away from the worker holding the longest match, because its wait cost more than the recompute |
+//! | `mmrouter.routed_precise` / `mmrouter.routed_approximate` | counter | decisions made with the sidecar's feed fresh, and without it (with a sidecar configured, the second counts the time it was stale or gone) |
+//! | `mmrouter.state_unrecorded` | counter | decisions whose load update or decision record was lost |
+//! | `mmrouter.decisions_applied` | counter | decisions the state writer applied to the shared block buckets |
+//! | `mmrouter.polls_ok` / `mmrouter.polls_failed` | counter | `/metrics` polls of the workers that gave vLLM metrics, and those that did not |
+//! | `mmrouter.feed_ok` / `mmrouter.feed_failed` | counter | polls of the sidecar's feed |
+//! | `mmrouter.workers_joined` / `mmrouter.workers_left` | counter | membership changes |
 
+use super::poller::Event;
 use super::router::Decision;
 use proxy_wasm::hostcalls::{define_metric, increment_metric, record_metric};
 use proxy_wasm::types::MetricType;
+use std::collections::HashMap;
 
 pub struct Metrics {
     requests: Option<u32>,
-    routed: Vec<Option<u32>>,
-    fallbacks: Vec<(&'static str, Option<u32>)>,
+    routed: HashMap<String, Option<u32>>,
+    fallbacks: HashMap<&'static str, Option<u32>>,
+    no_worker: Option<u32>,
     images: Option<u32>,
     blocks_total: Option<u32>,
     blocks_matched: Option<u32>,
     overlap: Option<u32>,
+    moved: Option<u32>,
+    precise: Option<u32>,
+    approximate: Option<u32>,
     unrecorded: Option<u32>,
-    skipped: Option<u32>,
+    applied: Option<u32>,
     polls_ok: Option<u32>,
     polls_failed: Option<u32>,
+    feed_ok: Option<u32>,
+    feed_failed: Option<u32>,
+    joined: Option<u32>,
+    left: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -47,22 +62,27 @@ fn add(id: Option<u32>, n: u64) {
 }
 
 impl Metrics {
-    pub fn define(workers: &[&str]) -> Metrics {
+    pub fn define() -> Metrics {
         Metrics {
             requests: counter("mmrouter.requests"),
-            routed: workers
-                .iter()
-                .map(|w| counter(&format!("mmrouter.routed.{w}")))
-                .collect(),
-            fallbacks: Vec::new(),
+            routed: HashMap::new(),
+            fallbacks: HashMap::new(),
+            no_worker: counter("mmrouter.no_worker"),
             images: counter("mmrouter.images"),
             blocks_total: counter("mmrouter.blocks_total"),
             blocks_matched: counter("mmrouter.blocks_matched"),
             overlap: define_metric(MetricType::Histogram, "mmrouter.overlap_percent").ok(),
+            moved: counter("mmrouter.moved"),
+            precise: counter("mmrouter.routed_precise"),
+            approximate: counter("mmrouter.routed_approximate"),
             unrecorded: counter("mmrouter.state_unrecorded"),
-            skipped: counter("mmrouter.log_skipped"),
+            applied: counter("mmrouter.decisions_applied"),
             polls_ok: counter("mmrouter.polls_ok"),
             polls_failed: counter("mmrouter.polls_failed"),
+            feed_ok: counter("mmrouter.feed_ok"),
+            feed_failed: counter("mmrouter.feed_failed"),
+            joined: counter("mmrouter.workers_joined"),
+            left: counter("mmrouter.workers_left"),
         }
     }
 
@@ -70,36 +90,63 @@ impl Metrics {
         add(self.requests, 1);
     }
 
-    pub fn poll(&self, ok: bool) {
-        add(if ok { self.polls_ok } else { self.polls_failed }, 1);
+    pub fn no_worker(&self) {
+        add(self.no_worker, 1);
     }
 
-    pub fn log_skipped(&self, n: u64) {
-        add(self.skipped, n);
+    pub fn event(&self, e: &Event) {
+        match e {
+            Event::Poll { ok: true, .. } => add(self.polls_ok, 1),
+            Event::Poll { ok: false, .. } => add(self.polls_failed, 1),
+            Event::Feed { ok: true, .. } => add(self.feed_ok, 1),
+            Event::Feed { ok: false, .. } => add(self.feed_failed, 1),
+            Event::Joined { .. } => add(self.joined, 1),
+            Event::Left { .. } => add(self.left, 1),
+            Event::Drained { decisions, .. } => add(self.applied, *decisions),
+            Event::BecameWriter | Event::Precise(_) => {}
+        }
     }
 
-    pub fn routed(&mut self, d: &Decision) {
-        add(self.routed.get(d.worker).copied().flatten(), 1);
+    pub fn routed(&mut self, d: &Decision, sidecar: bool) {
+        let name = d.target.name.as_str();
+        let id = match self.routed.get(name) {
+            Some(id) => *id,
+            None => {
+                let id = counter(&format!("mmrouter.routed.{name}"));
+                self.routed.insert(name.to_string(), id);
+                id
+            }
+        };
+        add(id, 1);
         add(self.images, d.media as u64);
         if !d.recorded {
             add(self.unrecorded, 1);
         }
+        if sidecar {
+            add(
+                if d.precise {
+                    self.precise
+                } else {
+                    self.approximate
+                },
+                1,
+            );
+        }
         match d.fallback {
             Some(why) => {
                 let reason = why.reason();
-                let id = match self.fallbacks.iter().find(|(r, _)| *r == reason) {
-                    Some((_, id)) => *id,
-                    None => {
-                        let id = counter(&format!("mmrouter.fallback.{reason}"));
-                        self.fallbacks.push((reason, id));
-                        id
-                    }
-                };
+                let id = *self
+                    .fallbacks
+                    .entry(reason)
+                    .or_insert_with(|| counter(&format!("mmrouter.fallback.{reason}")));
                 add(id, 1);
             }
             None => {
                 add(self.blocks_total, d.total_blocks as u64);
                 add(self.blocks_matched, d.matched_blocks as u64);
+                if d.passed_over.is_some() {
+                    add(self.moved, 1);
+                }
                 if d.total_blocks > 0
                     && let Some(id) = self.overlap
                 {

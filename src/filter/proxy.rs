@@ -1,13 +1,14 @@
-//! The proxy-wasm shell: Envoy's callbacks in, [`Router`] decisions out.
+//! The proxy-wasm shell: Envoy's callbacks in, [`Router`] and [`Poller`] decisions out.
 //!
 //! Every host call goes through `proxy_wasm::hostcalls` and its `Result`, never through the
 //! SDK's trait helpers, which `unwrap()` host statuses and would abort the VM (and every
 //! request on it) on an unexpected one.
 
-use super::config::FilterConfig;
+use super::config::{DecisionLog, FilterConfig};
 use super::metrics::Metrics;
+use super::poller::{Dispatcher, Event, MAX_POLL_BODY, Poller};
 use super::router::{Decision, Fallback, Router};
-use super::shared_state::{SharedStore, StoreError};
+use crate::state::{SharedStore, StoreError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
@@ -29,8 +30,24 @@ const STEERING_HEADERS: [&str; 2] = [
     "x-envoy-original-dst-host",
 ];
 
-/// proxy-wasm shared data through the host calls.
-struct HostStore;
+/// proxy-wasm shared data and queues through the host calls.
+#[derive(Default)]
+struct HostStore {
+    /// Queue name → token (registered once per VM).
+    queues: RefCell<HashMap<String, u32>>,
+}
+
+impl HostStore {
+    fn queue(&self, name: &str) -> Result<u32, StoreError> {
+        if let Some(t) = self.queues.borrow().get(name) {
+            return Ok(*t);
+        }
+        let token =
+            hostcalls::register_shared_queue(name).map_err(|s| StoreError::Host(s as u32))?;
+        self.queues.borrow_mut().insert(name.to_string(), token);
+        Ok(token)
+    }
+}
 
 impl SharedStore for HostStore {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
@@ -49,83 +66,122 @@ impl SharedStore for HostStore {
             Err(status) => Err(StoreError::Host(status as u32)),
         }
     }
+
+    fn enqueue(&self, queue: &str, value: &[u8]) -> Result<(), StoreError> {
+        let token = self.queue(queue)?;
+        hostcalls::enqueue_shared_queue(token, Some(value)).map_err(|s| StoreError::Host(s as u32))
+    }
+
+    fn dequeue(&self, queue: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let token = self.queue(queue)?;
+        hostcalls::dequeue_shared_queue(token).map_err(|s| StoreError::Host(s as u32))
+    }
+}
+
+/// HTTP calls through `dispatch_http_call`.
+struct HostDispatcher;
+
+impl Dispatcher for HostDispatcher {
+    fn get(
+        &mut self,
+        cluster: &str,
+        authority: &str,
+        path: &str,
+        header: Option<(&str, &str)>,
+        timeout_ms: u64,
+    ) -> Option<u32> {
+        let mut headers = vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", authority),
+        ];
+        if let Some(h) = header {
+            headers.push(h);
+        }
+        hostcalls::dispatch_http_call(
+            cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(timeout_ms),
+        )
+        .ok()
+    }
 }
 
 fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
 
-fn now_ms() -> u64 {
+fn now_us() -> u64 {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as u64)
+        .map(|d| d.as_micros() as u64)
         .unwrap_or(0)
 }
 
 struct Shared {
     router: Router,
+    poller: Poller,
     metrics: Metrics,
+    store: HostStore,
+    /// Whether the `[ROUTING]` line is logged at all (its level is on at the host).
+    decision_level: Option<LogLevel>,
 }
 
-#[derive(Default)]
-struct FilterRoot {
-    shared: Option<Rc<RefCell<Shared>>>,
-    /// This VM's identity for the poller lease (random per VM).
-    holder: u64,
-    last_poll_ms: u64,
-    /// Outstanding `/metrics` polls: call token → worker.
-    polls: HashMap<u32, usize>,
-}
-
-/// The largest `/metrics` body read (vLLM's is a few tens of KiB).
-const MAX_METRICS_BODY: usize = 4 << 20;
-
-impl FilterRoot {
-    /// If this VM holds the poller lease and a period has passed, polls every worker.
-    fn poll_workers(&mut self, now: u64) {
-        let Some(shared) = self.shared.clone() else {
-            return;
-        };
-        let Ok(s) = shared.try_borrow() else {
-            return;
-        };
-        let poll = &s.router.config.metrics;
-        if poll.poll_ms == 0 || now.saturating_sub(self.last_poll_ms) < poll.poll_ms {
-            return;
-        }
-        if !s.router.poller_lease(&HostStore, self.holder, now) {
-            return;
-        }
-        self.last_poll_ms = now;
-        let timeout = Duration::from_millis(poll.timeout_ms);
-        let header = s.router.config.destination_header.as_str();
-        for (i, w) in s.router.config.workers.iter().enumerate() {
-            let headers = vec![
-                (":method", "GET"),
-                (":path", poll.path.as_str()),
-                (":authority", w.address.as_str()),
-                (header, w.address.as_str()),
-            ];
-            match hostcalls::dispatch_http_call(&poll.cluster, headers, None, vec![], timeout) {
-                Ok(token) => {
-                    self.polls.insert(token, i);
+impl Shared {
+    fn log_events(&self, events: &[Event]) {
+        for e in events {
+            self.metrics.event(e);
+            let line = match e {
+                Event::BecameWriter => Some((
+                    LogLevel::Info,
+                    "this VM now writes the shared state".to_string(),
+                )),
+                Event::Joined { name, address } => {
+                    Some((LogLevel::Info, format!("worker {name} joined at {address}")))
                 }
-                Err(status) => {
-                    s.router.record_poll(&HostStore, i, None, now);
-                    s.metrics.poll(false);
-                    log(
-                        LogLevel::Warn,
-                        &format!("cannot poll {}: dispatch failed: {status:?}", w.name),
-                    );
-                }
+                Event::Left { name } => Some((LogLevel::Info, format!("worker {name} left"))),
+                Event::Poll {
+                    name,
+                    ok: false,
+                    why,
+                } => Some((
+                    LogLevel::Warn,
+                    format!("poll of {name} failed: {}", why.as_deref().unwrap_or("?")),
+                )),
+                Event::Feed { ok: false, why } => Some((
+                    LogLevel::Warn,
+                    format!(
+                        "sidecar feed poll failed: {}",
+                        why.as_deref().unwrap_or("?")
+                    ),
+                )),
+                Event::Precise(true) => Some((
+                    LogLevel::Info,
+                    "sidecar feed fresh: routing in precise mode".to_string(),
+                )),
+                Event::Precise(false) => Some((
+                    LogLevel::Warn,
+                    "sidecar feed stale or gone: routing in approximate mode".to_string(),
+                )),
+                _ => None,
+            };
+            if let Some((level, line)) = line {
+                log(level, &line);
             }
         }
     }
 }
 
+#[derive(Default)]
+struct FilterRoot {
+    shared: Option<Rc<RefCell<Shared>>>,
+}
+
 impl Context for FilterRoot {
-    /// A `/metrics` poll answered (or failed: Envoy reports a failure as 0 headers).
+    /// A poll answered (or failed: Envoy reports a failure as 0 headers).
     fn on_http_call_response(
         &mut self,
         token: u32,
@@ -133,13 +189,10 @@ impl Context for FilterRoot {
         body_size: usize,
         _: usize,
     ) {
-        let Some(worker) = self.polls.remove(&token) else {
-            return;
-        };
         let Some(shared) = self.shared.clone() else {
             return;
         };
-        let Ok(s) = shared.try_borrow() else {
+        let Ok(mut s) = shared.try_borrow_mut() else {
             return;
         };
         let status = if num_headers == 0 {
@@ -148,36 +201,28 @@ impl Context for FilterRoot {
             hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
                 .ok()
                 .flatten()
+                .and_then(|v| v.parse::<u16>().ok())
         };
-        let body = match status.as_deref() {
-            Some("200") => hostcalls::get_buffer(
+        let body = match status {
+            Some(200) => hostcalls::get_buffer(
                 BufferType::HttpCallResponseBody,
                 0,
-                body_size.min(MAX_METRICS_BODY),
+                body_size.min(MAX_POLL_BODY),
             )
             .ok()
             .flatten(),
             _ => None,
         };
-        let text = body.as_deref().map(String::from_utf8_lossy);
-        let ok = s
-            .router
-            .record_poll(&HostStore, worker, text.as_deref(), now_ms());
-        s.metrics.poll(ok);
-        if !ok && let Some(w) = s.router.config.workers.get(worker) {
-            log(
-                LogLevel::Warn,
-                &format!(
-                    "poll of {} failed: {}",
-                    w.name,
-                    match (num_headers, status.as_deref()) {
-                        (0, _) => "no response (connection failed or timed out)".to_string(),
-                        (_, Some("200")) => "no vLLM metrics in the body".to_string(),
-                        (_, other) => format!("status {}", other.unwrap_or("none")),
-                    }
-                ),
-            );
-        }
+        let s = &mut *s;
+        let events = s.poller.on_response(
+            &s.router,
+            &s.store,
+            token,
+            status,
+            body.as_deref(),
+            now_us() / 1000,
+        );
+        s.log_events(&events);
     }
 }
 
@@ -194,37 +239,56 @@ impl RootContext for FilterRoot {
                 return false;
             }
         };
-        let mut period_ms = config.state.sync_period_ms;
-        if config.metrics.poll_ms > 0 {
-            period_ms = period_ms.min(config.metrics.poll_ms);
+        let period = Duration::from_millis(Poller::period_ms(&config));
+        let holder = RandomState::new().hash_one(now_us());
+        let host_level = hostcalls::get_log_level().unwrap_or(LogLevel::Info);
+        let decision_level = match config.decision_log {
+            DecisionLog::Off => None,
+            DecisionLog::Debug => Some(LogLevel::Debug),
+            DecisionLog::Info => Some(LogLevel::Info),
         }
-        let period = Duration::from_millis(period_ms);
-        self.holder = RandomState::new().hash_one(now_ms());
-        let names: Vec<&str> = config.workers.iter().map(|w| w.name.as_str()).collect();
-        let metrics = Metrics::define(&names);
+        .filter(|l| (*l as u32) >= (host_level as u32));
         log(
             LogLevel::Info,
             &format!(
-                "configured {} workers, block size {}, mode approximate",
+                "configured {} static workers, sidecar {}, mode {:?}, block size {}",
                 config.workers.len(),
+                config
+                    .sidecar
+                    .as_ref()
+                    .map_or("none", |s| s.cluster.as_str()),
+                config.mode,
                 config.router.block_size
             ),
         );
-        let mut router = Router::new(config);
-        router.sync(&HostStore);
-        self.shared = Some(Rc::new(RefCell::new(Shared { router, metrics })));
+        let router = Router::new(config);
+        let store = HostStore::default();
+        let events = Poller::configure(&router, &store, now_us() / 1000);
+        let shared = Shared {
+            router,
+            poller: Poller::new(holder),
+            metrics: Metrics::define(),
+            store,
+            decision_level,
+        };
+        shared.log_events(&events);
+        self.shared = Some(Rc::new(RefCell::new(shared)));
         let _ = hostcalls::set_tick_period(period);
         true
     }
 
     fn on_tick(&mut self) {
-        if let Some(shared) = &self.shared
-            && let Ok(mut s) = shared.try_borrow_mut()
-        {
-            let stats = s.router.sync(&HostStore);
-            s.metrics.log_skipped(stats.skipped);
-        }
-        self.poll_workers(now_ms());
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        let Ok(mut s) = shared.try_borrow_mut() else {
+            return;
+        };
+        let s = &mut *s;
+        let events = s
+            .poller
+            .tick(&s.router, &s.store, now_us() / 1000, &mut HostDispatcher);
+        s.log_events(&events);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -233,7 +297,7 @@ impl RootContext for FilterRoot {
             shared: self.shared.clone(),
             routing: false,
             decision: None,
-            prefill_outstanding: 0,
+            prefill_seen: false,
             finished: false,
         }))
     }
@@ -249,7 +313,9 @@ struct FilterStream {
     /// This stream's body is being buffered for a decision.
     routing: bool,
     decision: Option<Decision>,
-    prefill_outstanding: u64,
+    /// The request's prefill was seen to end (first response chunk of a stream, or an answer
+    /// that came before the estimate).
+    prefill_seen: bool,
     finished: bool,
 }
 
@@ -257,46 +323,62 @@ impl Context for FilterStream {}
 
 impl FilterStream {
     fn random(&self) -> u64 {
-        let nanos = hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
         let mut buf = [0u8; 12];
         buf[..4].copy_from_slice(&self.context_id.to_le_bytes());
-        buf[4..].copy_from_slice(&nanos.to_le_bytes());
+        buf[4..].copy_from_slice(&now_us().to_le_bytes());
         xxh3_64(&buf)
     }
 
-    fn apply(&mut self, shared: &mut Shared, decision: Decision) {
-        let Some(worker) = shared.router.config.workers.get(decision.worker) else {
+    fn apply(&mut self, s: &mut Shared, decision: Option<Decision>) {
+        let Some(decision) = decision else {
+            s.metrics.no_worker();
             return;
         };
         let _ = hostcalls::set_map_value(
             MapType::HttpRequestHeaders,
-            &shared.router.config.destination_header,
-            Some(&worker.address),
+            &s.router.config.destination_header,
+            Some(&decision.target.address),
         );
-        match decision.fallback {
-            None => log(
-                LogLevel::Info,
-                &format!(
-                    "[ROUTING] Best: {} with {}/{} blocks overlap",
-                    worker.name, decision.matched_blocks, decision.total_blocks
-                ),
-            ),
-            Some(why) => log(
-                LogLevel::Info,
-                &format!(
-                    "[ROUTING] Fallback: {} (least loaded), reason {}",
-                    worker.name,
-                    why.reason()
-                ),
-            ),
+        if let Some(level) = s.decision_level {
+            log(level, &decision_line(&decision));
         }
-        shared.metrics.routed(&decision);
-        self.prefill_outstanding = decision.prefill_blocks;
+        s.metrics
+            .routed(&decision, s.router.config.sidecar.is_some());
         self.decision = Some(decision);
+    }
+}
+
+/// The `[ROUTING]` log line: what was chosen and what it was weighed against. Only numbers,
+/// validated worker names and fixed words: nothing from the request reaches the log.
+fn decision_line(d: &Decision) -> String {
+    match d.fallback {
+        Some(why) => format!(
+            "[ROUTING] Fallback: {} (least loaded), reason {}",
+            d.target.name,
+            why.reason()
+        ),
+        None => {
+            let e = d.estimate;
+            let mut line = format!(
+                "[ROUTING] Best: {} with {}/{} blocks overlap; wait {:.1} ms, prefill {:.1} ms, recompute {:.1} ms ({})",
+                d.target.name,
+                d.matched_blocks,
+                d.total_blocks,
+                e.wait_s * 1e3,
+                e.prefill_s * 1e3,
+                e.recompute_s * 1e3,
+                if d.precise { "precise" } else { "approximate" },
+            );
+            if let Some((name, matched, alt)) = &d.passed_over {
+                line.push_str(&format!(
+                    "; passed over {name} with {matched}/{} blocks: wait {:.1} ms > recompute {:.1} ms",
+                    d.total_blocks,
+                    alt.wait_s * 1e3,
+                    e.recompute_s * 1e3,
+                ));
+            }
+            line
+        }
     }
 }
 
@@ -311,6 +393,7 @@ impl HttpContext for FilterStream {
         let Ok(mut s) = shared.try_borrow_mut() else {
             return Action::Continue;
         };
+        let s = &mut *s;
         let configured = s.router.config.destination_header.as_str();
         if !STEERING_HEADERS.contains(&configured) {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, configured, None);
@@ -330,21 +413,18 @@ impl HttpContext for FilterStream {
         // least-loaded worker, and never occupies the VM's memory or Envoy's buffer.
         let limit = s.router.config.router.limits.max_body_bytes;
         let announced = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
-        if announced.is_some_and(|n| n > limit) {
-            let d = s.router.route_without_body(
-                Fallback::TooLarge,
-                &HostStore,
-                now_ms(),
-                self.random(),
-            );
-            self.apply(&mut s, d);
-            return Action::Continue;
-        }
-        if end_of_stream {
-            let d =
-                s.router
-                    .route_without_body(Fallback::NoBody, &HostStore, now_ms(), self.random());
-            self.apply(&mut s, d);
+        let why = if announced.is_some_and(|n| n > limit) {
+            Some(Fallback::TooLarge)
+        } else if end_of_stream {
+            Some(Fallback::NoBody)
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            let d = s
+                .router
+                .route_without_body(why, &s.store, now_us(), self.random());
+            self.apply(s, d);
             return Action::Continue;
         }
         self.routing = true;
@@ -365,6 +445,7 @@ impl HttpContext for FilterStream {
             self.routing = false;
             return Action::Continue;
         };
+        let s = &mut *s;
         let over_limit = body_size > s.router.config.router.limits.max_body_bytes;
         if !end_of_stream && !over_limit {
             return Action::Pause;
@@ -375,16 +456,15 @@ impl HttpContext for FilterStream {
         let random = self.random();
         let decision = if over_limit {
             s.router
-                .route_without_body(Fallback::TooLarge, &HostStore, now_ms(), random)
+                .route_without_body(Fallback::TooLarge, &s.store, now_us(), random)
         } else {
             let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
                 .ok()
                 .flatten()
                 .unwrap_or_default();
-            let (decision, _analysis) = s.router.route(&body, &HostStore, now_ms(), random);
-            decision
+            s.router.route(&body, &s.store, now_us(), random).0
         };
-        self.apply(&mut s, decision);
+        self.apply(s, decision);
         Action::Continue
     }
 
@@ -398,25 +478,54 @@ impl HttpContext for FilterStream {
         let Ok(s) = shared.try_borrow() else {
             return Action::Continue;
         };
-        if self.prefill_outstanding > 0 {
-            s.router
-                .prefill_done(&HostStore, decision.worker, self.prefill_outstanding);
-            self.prefill_outstanding = 0;
-        }
-        if s.router.config.response_headers
-            && let Some(worker) = s.router.config.workers.get(decision.worker)
+        // A complete (non-streamed) answer comes after decoding; if it comes before the
+        // estimated end of prefill, prefill was faster than estimated.
+        if !decision.stream
+            && !self.prefill_seen
+            && let Some((_, end)) = decision.prefill_window
         {
+            let now = now_us();
+            if now < end {
+                s.router.prefill_done(&s.store, decision, now);
+            }
+            self.prefill_seen = true;
+        }
+        if s.router.config.response_headers {
             let overlap = format!("{}/{}", decision.matched_blocks, decision.total_blocks);
-            let _ = hostcalls::set_map_value(
-                MapType::HttpResponseHeaders,
-                "x-mmrouter-worker",
-                Some(&worker.name),
+            let e = decision.estimate;
+            let explained = format!(
+                "wait_ms={:.1}; prefill_ms={:.1}; recompute_ms={:.1}; mode={}",
+                e.wait_s * 1e3,
+                e.prefill_s * 1e3,
+                e.recompute_s * 1e3,
+                if decision.precise {
+                    "precise"
+                } else {
+                    "approximate"
+                }
             );
-            let _ = hostcalls::set_map_value(
-                MapType::HttpResponseHeaders,
-                "x-mmrouter-overlap",
-                Some(&overlap),
-            );
+            for (name, value) in [
+                ("x-mmrouter-worker", decision.target.name.as_str()),
+                ("x-mmrouter-overlap", overlap.as_str()),
+                ("x-mmrouter-decision", explained.as_str()),
+            ] {
+                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        // A stream's first chunk comes when prefill is done (vLLM sends the headers first).
+        if self.prefill_seen || body_size == 0 {
+            return Action::Continue;
+        }
+        let (Some(decision), Some(shared)) = (&self.decision, self.shared.clone()) else {
+            return Action::Continue;
+        };
+        self.prefill_seen = true;
+        if let Ok(s) = shared.try_borrow() {
+            s.router.prefill_done(&s.store, decision, now_us());
         }
         Action::Continue
     }
@@ -432,8 +541,7 @@ impl HttpContext for FilterStream {
         };
         if let Ok(s) = shared.try_borrow() {
             s.router
-                .finished(&HostStore, decision.worker, self.prefill_outstanding);
+                .finished(&s.store, decision, now_us(), self.prefill_seen);
         }
-        self.prefill_outstanding = 0;
     }
 }

@@ -1,15 +1,25 @@
-//! One VM's router: its view of the workers' prefix state, and the decision for one body.
+//! One VM's request path: read the shared worker state, match the request's blocks, score the
+//! workers, record the decision; and release a request's load as its phases end.
 //!
-//! Host-independent: it talks to shared data through [`SharedStore`], and takes the time and a
+//! Host-independent: it talks to shared data through [`SharedStore`] and takes the time and a
 //! random number as arguments, so every path is tested natively and the proxy-wasm shell only
-//! moves bytes between Envoy and this type.
+//! moves bytes between Envoy and this type. Per request it reads the live table and the load
+//! table (one `get` each), the membership table only when its version moved, O(log n) block
+//! buckets, and in precise mode one image bucket per image in the matched prefix; it writes
+//! the load table (one CAS update) and enqueues one decision record.
 
 use super::config::FilterConfig;
-use super::shared_state::{MetricsEntry, SharedState, SharedStore, SyncStats, generation};
 use crate::analysis::{Analysis, AnalyzeError, analyze};
-use crate::index::PrefixIndex;
-use crate::scoring::{WorkerLoad, choose};
-use crate::worker_metrics::WorkerMetrics;
+use crate::identity::IdSource;
+use crate::scoring::{Candidate, Estimate, RequestSize, choose, pick_below, splitmix64};
+use crate::state::blocks::Bucket;
+use crate::state::images::resident_blocks;
+use crate::state::load::{Load, LoadTable};
+use crate::state::lookup::{default_probes, match_prefix};
+use crate::state::workers::{Live, LiveTable, Members, flag};
+use crate::state::writer::{read_live, read_members};
+use crate::state::{Keys, SharedStore, cas_update, decisions, ensure_key};
+use std::collections::HashMap;
 
 /// Why a request was routed without its cache affinity (to the least-loaded worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,18 +42,40 @@ impl Fallback {
     }
 }
 
+/// The worker a decision names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub slot: usize,
+    pub name: String,
+    pub address: String,
+}
+
 /// A routing decision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
-    pub worker: usize,
+    pub target: Target,
+    /// The next-best workers' addresses, best first (for retries), without the target.
+    pub alternates: Vec<String>,
     pub matched_blocks: usize,
     pub total_blocks: usize,
-    /// Blocks the worker still has to prefill (estimate), released at first byte.
-    pub prefill_blocks: u64,
+    /// The chosen worker's estimate: wait, prefill, recompute, cost.
+    pub estimate: Estimate,
+    /// The best-matched worker when another was chosen: its name, matched blocks and estimate
+    /// (what the decision weighed against).
+    pub passed_over: Option<(String, usize, Estimate)>,
+    /// The request's estimated prefill window on the worker's queue clock, µs since the epoch
+    /// (None when the load update was lost).
+    pub prefill_window: Option<(u64, u64)>,
+    /// The client asked for a stream (prefill then ends at the first response chunk).
+    pub stream: bool,
     /// Media items in the request.
     pub media: usize,
+    /// Block buckets read.
+    pub probes: usize,
+    /// The decision used the engine's KV events (the sidecar's feed was fresh).
+    pub precise: bool,
     pub fallback: Option<Fallback>,
-    /// False when the shared load or log could not be updated (counted, not fatal).
+    /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
 }
 
@@ -51,284 +83,365 @@ pub struct Decision {
 #[derive(Debug)]
 pub struct Router {
     pub config: FilterConfig,
-    shared: SharedState,
-    index: PrefixIndex,
-    cursor: u64,
-    matched: Vec<usize>,
-    started: bool,
+    keys: Keys,
+    load: LoadTable,
+    /// The membership table as last read (re-read when the live table's version of it moves).
+    members: Members,
 }
 
 impl Router {
     pub fn new(config: FilterConfig) -> Router {
-        let addresses: Vec<&str> = config.workers.iter().map(|w| w.address.as_str()).collect();
-        let shared = SharedState::new(
-            generation(&addresses, config.state.log_slots),
-            config.workers.len(),
-            config.state.log_slots,
-        );
-        let index = PrefixIndex::new(config.router.index.clone(), config.workers.len());
+        let keys = Keys::new(config.state.namespace(config.router.block_size));
+        let load = LoadTable::new(keys.load());
         Router {
             config,
-            shared,
-            index,
-            cursor: 0,
-            matched: Vec::new(),
-            started: false,
+            keys,
+            load,
+            members: Members::default(),
         }
     }
 
-    pub fn workers(&self) -> usize {
-        self.config.workers.len()
+    pub fn keys(&self) -> &Keys {
+        &self.keys
     }
 
-    /// Replays decisions other VMs (and this one) logged since the last sync.
-    pub fn sync(&mut self, store: &dyn SharedStore) -> SyncStats {
-        if !self.started {
-            self.cursor = self.shared.start_cursor(store);
-            self.started = true;
+    /// Creates the keys every VM writes with their initial value (at configuration time,
+    /// before traffic: see "First writes" in [`crate::state`]).
+    pub fn prepare(&self, store: &dyn SharedStore) -> bool {
+        ensure_key(store, &self.keys.load(), &[])
+    }
+
+    /// The membership and live tables, re-reading membership only when it moved.
+    fn tables(&mut self, store: &dyn SharedStore) -> LiveTable {
+        let live = read_live(store, &self.keys);
+        if live.members_version != self.members.version || self.members.slots.is_empty() {
+            self.members = read_members(store, &self.keys);
         }
-        let index = &mut self.index;
-        let workers = self.config.workers.len();
-        self.shared.replay(store, &mut self.cursor, |record| {
-            let worker = record.worker as usize;
-            if worker < workers {
-                index.insert(worker, &record.keys, record.time_ms);
-            }
-        })
+        live
     }
 
-    /// Decides where a complete body goes, and records the decision in shared state.
+    /// Decides where a complete body goes, and records the decision in shared state. None
+    /// when no worker is known yet (the request then takes Envoy's default route).
     pub fn route(
         &mut self,
         body: &[u8],
         store: &dyn SharedStore,
-        now_ms: u64,
+        now_us: u64,
         random: u64,
-    ) -> (Decision, Option<Analysis>) {
+    ) -> (Option<Decision>, Option<Analysis>) {
         if body.len() > self.config.router.limits.max_body_bytes {
             return (
-                self.route_without_body(Fallback::TooLarge, store, now_ms, random),
+                self.route_without_body(Fallback::TooLarge, store, now_us, random),
                 None,
             );
         }
-        let analysis = match analyze(body, &self.config.router) {
-            Ok(a) => a,
+        match analyze(body, &self.config.router) {
+            Ok(a) => (self.route_analysis(&a, store, now_us, random), Some(a)),
             Err(e) => {
-                let reason = AnalyzeError::reason(&e);
-                return (
-                    self.route_without_body(Fallback::Analyze(reason), store, now_ms, random),
-                    None,
-                );
+                let why = Fallback::Analyze(AnalyzeError::reason(&e));
+                (self.route_without_body(why, store, now_us, random), None)
             }
-        };
-        let decision = self.route_analysis(&analysis, store, now_ms, random);
-        (decision, Some(analysis))
+        }
     }
 
-    /// Routing of an analysed request: prefix match, load, choice, record.
+    /// Routing of an analysed request: prefix match, scoring, record.
     pub fn route_analysis(
         &mut self,
         analysis: &Analysis,
         store: &dyn SharedStore,
-        now_ms: u64,
+        now_us: u64,
         random: u64,
-    ) -> Decision {
-        self.sync(store);
-        let keys = &analysis.layout.keys;
-        let max = self.config.state.max_record_blocks as usize;
-        let keys = keys.get(..max.min(keys.len())).unwrap_or(keys);
-        self.index.match_prefix(keys, now_ms, &mut self.matched);
-        let (loads, healthy) = self.current_loads(store, now_ms);
-        let total = keys.len();
-        let (worker, matched) = self.choose_healthy(total, &loads, &healthy, random);
-        // What the worker has left to prefill, in the scoring's unit: blocks (the partial last
-        // block counts as one).
-        let block_size = analysis.layout.block_size.max(1) as u64;
-        let prefill = (analysis.layout.prompt_tokens as u64)
-            .div_ceil(block_size)
-            .saturating_sub(matched as u64);
-        let logged = self
-            .shared
-            .append(store, worker as u32, now_ms, keys)
-            .is_ok();
-        let loaded = self.shared.add_load(store, worker, 1, prefill as i64);
-        Decision {
-            worker,
-            matched_blocks: matched,
-            total_blocks: total,
-            prefill_blocks: prefill,
-            media: analysis.media.len(),
-            fallback: None,
-            recorded: logged && loaded,
+    ) -> Option<Decision> {
+        let live = self.tables(store);
+        let eligible = eligible_slots(&live);
+        if eligible.is_empty() {
+            return None;
         }
+        let max = self.config.state.max_record_blocks as usize;
+        let all_keys = &analysis.layout.keys;
+        let keys = all_keys.get(..max.min(all_keys.len())).unwrap_or(all_keys);
+        let probes = match self.config.state.max_probes {
+            0 => default_probes(keys.len()),
+            n => n as usize,
+        };
+        let blocks = &self.config.state.blocks;
+        let keyspace = &self.keys;
+        let mut prefix = match_prefix(keys, &live.slots, blocks, probes, &mut |b| {
+            store
+                .get(&keyspace.block_bucket(b))
+                .ok()
+                .flatten()
+                .map(|(v, _)| v)
+        });
+        if live.precise {
+            self.cap_by_images(analysis, &live, &mut prefix.depths, store);
+        }
+        let loads = self.load.read(store, live.slots.len());
+        let now_ms = now_us / 1000;
+        let half_life = self.config.router.scoring.footprint_half_life_ms;
+        let candidates: Vec<Candidate> = eligible
+            .iter()
+            .map(|&s| {
+                let l = live.get(s).copied().unwrap_or_default();
+                let load = loads.get(s).copied().unwrap_or_default();
+                candidate(&l, &load, prefix.depth(s), now_us, now_ms, half_life)
+            })
+            .collect();
+        let block_size = analysis.layout.block_size.max(1);
+        let request = RequestSize {
+            total_blocks: keys.len(),
+            prompt_tokens: analysis.layout.prompt_tokens,
+            block_size,
+        };
+        let choice = choose(request, &candidates, &self.config.router.scoring, random)?;
+        let slot = eligible.get(choice.index).copied()?;
+        let target = self.target(slot)?;
+        let estimate = choice.estimate();
+        let matched = prefix.depth(slot).min(keys.len());
+        let prefill_us = (estimate.prefill_s * 1e6) as u64;
+        let end = self.load.route(store, slot, now_us, prefill_us);
+        let new_blocks = (keys.len() - matched) as u32;
+        self.record_last_key(store, &live, slot, keys, new_blocks);
+        let enqueued = store
+            .enqueue(
+                &self.keys.decisions(),
+                &decisions::encode(slot as u16, now_ms, new_blocks, keys),
+            )
+            .is_ok();
+        let passed_over = choice.passed_over(&candidates).and_then(|i| {
+            let s = *eligible.get(i)?;
+            let t = self.target(s)?;
+            Some((t.name, prefix.depth(s), *choice.estimates.get(i)?))
+        });
+        let alternates = choice
+            .ranking
+            .iter()
+            .skip(1)
+            .filter_map(|&i| self.target(*eligible.get(i)?).map(|t| t.address))
+            .collect();
+        Some(Decision {
+            target,
+            alternates,
+            matched_blocks: matched,
+            total_blocks: keys.len(),
+            estimate,
+            passed_over,
+            prefill_window: end.map(|e| (e.saturating_sub(prefill_us), e)),
+            stream: analysis.stream,
+            media: analysis.media.len(),
+            probes: prefix.probes,
+            precise: live.precise,
+            fallback: None,
+            recorded: end.is_some() && enqueued,
+        })
     }
 
-    /// Router-side loads merged with fresh engine metrics, and which workers are healthy.
-    /// Metrics older than three poll periods are ignored; a worker whose last
-    /// `unhealthy_after` polls failed is unhealthy, unless every worker is.
-    fn current_loads(&self, store: &dyn SharedStore, now_ms: u64) -> (Vec<WorkerLoad>, Vec<bool>) {
-        let mut loads = self.shared.loads(store);
-        let poll = &self.config.metrics;
-        if poll.poll_ms == 0 {
-            let all = vec![true; loads.len()];
-            return (loads, all);
+    /// Records the request's last block key for `slot` now, with the stamp the state writer
+    /// will give it: by prefix closure it proves the whole prefix (see [`crate::state::lookup`]),
+    /// so a request that repeats this one before the writer's next tick already matches it.
+    /// One bucket update; the writer records the other keys from the decision queue.
+    fn record_last_key(
+        &self,
+        store: &dyn SharedStore,
+        live: &LiveTable,
+        slot: usize,
+        keys: &[u64],
+        new_blocks: u32,
+    ) {
+        let (Some(&last), Some(l)) = (keys.last(), live.get(slot)) else {
+            return;
+        };
+        let advance = if l.flags & flag::EVENTS == 0 {
+            u64::from(new_blocks)
+        } else {
+            0
+        };
+        let stamp = (l.clock.wrapping_add(advance) as u32).wrapping_sub((keys.len() - 1) as u32);
+        let blocks = &self.config.state.blocks;
+        cas_update(
+            store,
+            &self.keys.block_bucket(blocks.bucket_of(last)),
+            |bytes| {
+                let mut b = Bucket::decode(bytes);
+                b.touch(last, slot as u16, stamp, &live.slots, blocks)
+                    .then(|| b.encode())
+            },
+        );
+    }
+
+    /// Precise mode: a worker's matched prefix stops at an image whose blocks its engine
+    /// reported evicted. One image bucket read per image inside some worker's match.
+    fn cap_by_images(
+        &self,
+        analysis: &Analysis,
+        live: &LiveTable,
+        depths: &mut [usize],
+        store: &dyn SharedStore,
+    ) {
+        let mut spans: HashMap<u32, (usize, usize)> = HashMap::new();
+        for m in &analysis.layout.media {
+            let e = spans
+                .entry(m.media)
+                .or_insert((m.block as usize, m.block as usize));
+            e.0 = e.0.min(m.block as usize);
+            e.1 = e.1.max(m.block as usize);
         }
-        let entries = self.shared.metrics(store);
-        let fresh_for = poll.poll_ms.saturating_mul(3).max(poll.timeout_ms);
-        let mut healthy: Vec<bool> = entries
-            .iter()
-            .map(|e| poll.unhealthy_after == 0 || e.failures < poll.unhealthy_after)
-            .collect();
-        healthy.resize(loads.len(), true);
-        if !healthy.iter().any(|h| *h) {
-            healthy.iter_mut().for_each(|h| *h = true);
-        }
-        for (load, entry) in loads.iter_mut().zip(&entries) {
-            if let MetricsEntry {
-                metrics:
-                    Some(WorkerMetrics {
-                        waiting,
-                        running,
-                        kv_usage,
-                    }),
-                updated_ms,
-                ..
-            } = *entry
-                && now_ms.saturating_sub(updated_ms) <= fresh_for
-            {
-                load.waiting = Some(waiting);
-                load.running = Some(running);
-                load.kv_usage = Some(kv_usage);
+        let deepest = depths.iter().copied().max().unwrap_or(0);
+        for (media, (first, last)) in spans {
+            if first >= deepest {
+                continue;
+            }
+            let Some(report) = analysis.media.get(media as usize) else {
+                continue;
+            };
+            if report.id.source == IdSource::Url {
+                continue;
+            }
+            let image = report.id.key64();
+            let bucket = self.config.state.images.bucket_of(image);
+            let Ok(Some((bytes, _))) = store.get(&self.keys.image_bucket(bucket)) else {
+                continue;
+            };
+            let span = last - first + 1;
+            for (slot, depth) in depths.iter_mut().enumerate() {
+                if *depth <= first {
+                    continue;
+                }
+                let Some(l) = live.get(slot) else { continue };
+                match resident_blocks(&bytes, image, slot as u16, l.incarnation) {
+                    Some(0) => *depth = first,
+                    // The engine evicts a sequence's tail first: the image's first blocks
+                    // are the ones left (engine and router blocks are the same size, offset by
+                    // at most one block).
+                    Some(b) if (b as usize) + 1 < span => *depth = (*depth).min(first + b as usize),
+                    _ => {}
+                }
             }
         }
-        (loads, healthy)
     }
 
-    /// [`choose`] over the healthy workers only; worker indices are the configuration's.
-    fn choose_healthy(
-        &self,
-        total: usize,
-        loads: &[WorkerLoad],
-        healthy: &[bool],
-        random: u64,
-    ) -> (usize, usize) {
-        let scoring = &self.config.router.scoring;
-        if healthy.iter().all(|h| *h) {
-            return match choose(total, &self.matched, loads, scoring, random) {
-                Some(c) => (c.worker, c.matched_blocks),
-                None => (least_loaded(loads, healthy, random), 0),
-            };
-        }
-        let ids: Vec<usize> = (0..loads.len())
-            .filter(|&w| healthy.get(w).copied().unwrap_or(true))
-            .collect();
-        let sub_loads: Vec<WorkerLoad> =
-            ids.iter().filter_map(|&w| loads.get(w).copied()).collect();
-        let sub_matched: Vec<usize> = ids
-            .iter()
-            .map(|&w| self.matched.get(w).copied().unwrap_or(0))
-            .collect();
-        match choose(total, &sub_matched, &sub_loads, scoring, random) {
-            Some(c) => (ids.get(c.worker).copied().unwrap_or(0), c.matched_blocks),
-            None => (least_loaded(loads, healthy, random), 0),
-        }
+    fn target(&self, slot: usize) -> Option<Target> {
+        let m = self.members.slots.get(slot)?;
+        m.active.then(|| Target {
+            slot,
+            name: m.name.clone(),
+            address: m.address.clone(),
+        })
     }
 
     /// Routes a request without its cache affinity (body unusable, over the size limit, or
-    /// absent): the least-loaded healthy worker.
+    /// absent): the eligible worker with the least prefill queued, then the fewest requests
+    /// in flight, ties broken by `random`.
     pub fn route_without_body(
         &mut self,
         why: Fallback,
         store: &dyn SharedStore,
-        now_ms: u64,
+        now_us: u64,
         random: u64,
-    ) -> Decision {
-        let (loads, healthy) = self.current_loads(store, now_ms);
-        let worker = least_loaded(&loads, &healthy, random);
-        let recorded = self.shared.add_load(store, worker, 1, 0);
-        Decision {
-            worker,
+    ) -> Option<Decision> {
+        let live = self.tables(store);
+        let eligible = eligible_slots(&live);
+        let loads = self.load.read(store, live.slots.len());
+        let slot = least_loaded(&eligible, &loads, now_us, random)?;
+        let target = self.target(slot)?;
+        let end = self.load.route(store, slot, now_us, 0);
+        Some(Decision {
+            target,
+            alternates: Vec::new(),
             matched_blocks: 0,
             total_blocks: 0,
-            prefill_blocks: 0,
+            estimate: Estimate::default(),
+            passed_over: None,
+            prefill_window: None,
+            stream: false,
             media: 0,
+            probes: 0,
+            precise: live.precise,
             fallback: Some(why),
-            recorded,
+            recorded: end.is_some(),
+        })
+    }
+
+    /// The request's first response chunk arrived at `now_us` (prefill done).
+    pub fn prefill_done(&self, store: &dyn SharedStore, d: &Decision, now_us: u64) -> bool {
+        match d.prefill_window {
+            Some((_, end)) => self.load.prefill_done(store, d.target.slot, now_us, end),
+            None => false,
         }
     }
 
-    /// Records one `/metrics` poll of `worker`: its text, or None when the poll failed
-    /// (timeout, connection refused, non-200). Text without vLLM metrics counts as a failure.
-    /// Returns whether the poll was good.
-    pub fn record_poll(
+    /// The stream ended (completed, reset or failed): release its load. `prefill_seen` says
+    /// whether its prefill was seen to end.
+    pub fn finished(
         &self,
         store: &dyn SharedStore,
-        worker: usize,
-        text: Option<&str>,
-        now_ms: u64,
+        d: &Decision,
+        now_us: u64,
+        prefill_seen: bool,
     ) -> bool {
-        let parsed = text.and_then(|t| crate::worker_metrics::parse_vllm_metrics(t).ok());
-        self.shared.record_poll(store, worker, parsed, now_ms);
-        parsed.is_some()
+        let unfinished = if prefill_seen { None } else { d.prefill_window };
+        self.load.finish(store, d.target.slot, now_us, unfinished)
     }
 
-    /// Takes or renews the poller lease for this VM (`holder` identifies it).
-    pub fn poller_lease(&self, store: &dyn SharedStore, holder: u64, now_ms: u64) -> bool {
-        let ttl = self.config.metrics.poll_ms.saturating_mul(3);
-        self.config.metrics.poll_ms > 0 && self.shared.try_lease(store, holder, now_ms, ttl)
-    }
-
-    /// The worker's prefill is done (first response byte): release its prefill blocks.
-    pub fn prefill_done(&self, store: &dyn SharedStore, worker: usize, prefill_blocks: u64) {
-        if prefill_blocks > 0 {
-            self.shared
-                .add_load(store, worker, 0, -(prefill_blocks as i64));
-        }
-    }
-
-    /// The stream ended (completed or reset): release what is left of its load.
-    pub fn finished(&self, store: &dyn SharedStore, worker: usize, prefill_blocks: u64) -> bool {
-        self.shared
-            .add_load(store, worker, -1, -(prefill_blocks as i64))
-    }
-
-    /// Every worker's router-side load, as the shared table has it.
-    pub fn loads(&self, store: &dyn SharedStore) -> Vec<WorkerLoad> {
-        self.shared.loads(store)
+    /// Every slot's load, as the shared table has it.
+    pub fn loads(&self, store: &dyn SharedStore, slots: usize) -> Vec<Load> {
+        self.load.read(store, slots)
     }
 }
 
-/// The eligible worker with the fewest in-flight requests (then fewest prefill blocks); ties
-/// broken by `random` so that an idle cluster is spread evenly. `eligible[w]` false excludes
-/// worker `w` (a missing entry counts as eligible); with no eligible worker, all are.
-pub fn least_loaded(loads: &[WorkerLoad], eligible: &[bool], random: u64) -> usize {
-    let is_eligible = |w: usize| eligible.get(w).copied().unwrap_or(true);
-    let any = (0..loads.len()).any(is_eligible);
-    let candidates = || {
-        loads
-            .iter()
-            .enumerate()
-            .filter(move |(w, _)| !any || is_eligible(*w))
-    };
-    let Some(best) = candidates()
-        .map(|(_, l)| (l.inflight, l.prefill_blocks))
-        .min()
-    else {
-        return 0;
-    };
-    let ties: Vec<usize> = candidates()
-        .filter(|(_, l)| (l.inflight, l.prefill_blocks) == best)
-        .map(|(w, _)| w)
+/// What the scorer needs of one worker.
+fn candidate(
+    l: &Live,
+    load: &Load,
+    matched: usize,
+    now_us: u64,
+    now_ms: u64,
+    half_life_ms: u64,
+) -> Candidate {
+    let metrics = l.metrics();
+    Candidate {
+        matched_blocks: matched,
+        queued_s: load.queued_us(now_us) as f64 / 1e6,
+        waiting: metrics.map(|m| m.waiting),
+        running: metrics.map(|m| m.running),
+        prefill_tps: (l.prefill_tps > 0.0).then_some(f64::from(l.prefill_tps)),
+        footprint: l.footprint_at(now_ms, half_life_ms),
+        inflight: load.inflight,
+    }
+}
+
+/// Active slots that are healthy; all active slots when none is.
+fn eligible_slots(live: &LiveTable) -> Vec<usize> {
+    let active = || live.slots.iter().enumerate().filter(|(_, l)| l.active());
+    let healthy: Vec<usize> = active()
+        .filter(|(_, l)| l.healthy())
+        .map(|(s, _)| s)
         .collect();
-    ties.get((random % ties.len().max(1) as u64) as usize)
+    if healthy.is_empty() {
+        active().map(|(s, _)| s).collect()
+    } else {
+        healthy
+    }
+}
+
+/// The slot with the least prefill queued, then the fewest in flight; ties by `random`.
+pub fn least_loaded(slots: &[usize], loads: &[Load], now_us: u64, random: u64) -> Option<usize> {
+    let key = |s: usize| {
+        let l = loads.get(s).copied().unwrap_or_default();
+        (l.queued_us(now_us), l.inflight)
+    };
+    let best = slots.iter().map(|&s| key(s)).min()?;
+    let ties: Vec<usize> = slots.iter().copied().filter(|&s| key(s) == best).collect();
+    ties.get(pick_below(splitmix64(random), ties.len()))
         .copied()
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::shared_state::MemoryStore;
     use super::*;
+    use crate::state::MemoryStore;
+    use crate::state::writer::{drain, record_poll, sync_members};
+    use crate::worker_metrics::{EngineStats, WorkerMetrics};
     use base64::Engine as _;
 
     fn config(workers: usize) -> FilterConfig {
@@ -339,8 +452,24 @@ mod tests {
             .expect("config")
     }
 
-    /// A PNG whose header says `w`×`h`: signature, IHDR, a short IDAT and IEND (the pixels
-    /// are not valid, which header reading must not care about).
+    /// A router over `n` workers whose membership the state writer has set up.
+    fn router(store: &MemoryStore, n: usize) -> Router {
+        let r = Router::new(config(n));
+        assert!(r.prepare(store));
+        let desired: Vec<(String, String)> = r
+            .config
+            .workers
+            .iter()
+            .map(|w| (w.name.clone(), w.address.clone()))
+            .collect();
+        sync_members(store, r.keys(), &r.config.state, &desired, 0);
+        r
+    }
+
+    fn apply(store: &MemoryStore, r: &Router, now_ms: u64) {
+        drain(store, r.keys(), &r.config.state, 60_000, now_ms, 1000);
+    }
+
     fn png(w: u32, h: u32) -> Vec<u8> {
         let mut v = vec![0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a];
         let mut ihdr = Vec::new();
@@ -355,11 +484,11 @@ mod tests {
 
     fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
         out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        let start = out.len();
         out.extend_from_slice(kind);
         out.extend_from_slice(data);
-        let crc = crc32(&out[start..]);
-        out.extend_from_slice(&crc.to_be_bytes());
+        let mut crc_input = kind.to_vec();
+        crc_input.extend_from_slice(data);
+        out.extend_from_slice(&crc32(&crc_input).to_be_bytes());
     }
 
     fn crc32(data: &[u8]) -> u32 {
@@ -380,114 +509,214 @@ mod tests {
     fn body(image: &[u8], text: &str) -> Vec<u8> {
         let b64 = base64::engine::general_purpose::STANDARD.encode(image);
         format!(
-            r#"{{"model":"Qwen/Qwen2.5-VL-7B-Instruct","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
         )
         .into_bytes()
+    }
+
+    fn route(r: &mut Router, store: &MemoryStore, b: &[u8], now_ms: u64, random: u64) -> Decision {
+        r.route(b, store, now_ms * 1000, random)
+            .0
+            .expect("a worker")
     }
 
     #[test]
     fn same_image_goes_back_to_the_worker_that_has_it_even_from_another_vm() {
         let store = MemoryStore::default();
-        let mut vm1 = Router::new(config(4));
+        let mut vm1 = router(&store, 4);
         let mut vm2 = Router::new(config(4));
         let b = body(&png(640, 480), "what is this");
-        let (first, _) = vm1.route(&b, &store, 1000, 3);
+        let first = route(&mut vm1, &store, &b, 1000, 3);
         assert_eq!(first.fallback, None);
         assert!(first.total_blocks > 10);
         assert_eq!(first.matched_blocks, 0);
-        vm1.finished(&store, first.worker, first.prefill_blocks);
-        let (second, _) = vm2.route(&b, &store, 2000, 1);
-        assert_eq!(second.worker, first.worker);
+        assert!(first.recorded);
+        assert!(vm1.finished(&store, &first, 1_100_000, true));
+        apply(&store, &vm1, 1001);
+        let second = route(&mut vm2, &store, &b, 2000, 1);
+        assert_eq!(second.target, first.target);
+        assert_eq!(second.matched_blocks, second.total_blocks);
+        assert_eq!(second.estimate.recompute_s, 0.0);
+    }
+
+    #[test]
+    fn an_exact_repeat_matches_before_the_writer_has_applied_the_decision() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 4);
+        let b = body(&png(500, 400), "same again");
+        let first = route(&mut r, &store, &b, 1000, 3);
+        r.prefill_done(&store, &first, 1_000_400);
+        r.finished(&store, &first, 1_000_500, true);
+        let second = route(&mut r, &store, &b, 1001, 9);
+        assert_eq!(second.target, first.target);
         assert_eq!(second.matched_blocks, second.total_blocks);
     }
 
     #[test]
-    fn load_is_counted_and_released() {
+    fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute() {
         let store = MemoryStore::default();
-        let mut vm = Router::new(config(2));
-        let (d, _) = vm.route(&body(&png(100, 100), "x"), &store, 0, 0);
-        let loads = vm.loads(&store);
-        assert_eq!(loads[d.worker].inflight, 1);
-        assert_eq!(loads[d.worker].prefill_blocks, d.prefill_blocks);
-        vm.prefill_done(&store, d.worker, d.prefill_blocks);
-        assert_eq!(vm.loads(&store)[d.worker].prefill_blocks, 0);
-        vm.finished(&store, d.worker, 0);
-        assert_eq!(vm.loads(&store)[d.worker].inflight, 0);
+        let mut r = router(&store, 2);
+        let b = body(&png(1280, 960), "a long question about this picture");
+        let first = route(&mut r, &store, &b, 0, 0);
+        r.finished(&store, &first, 10_000, true);
+        apply(&store, &r, 10);
+        let home = first.target.slot;
+        // Its worker has a little prefill queued: it still wins.
+        let load = LoadTable::new(r.keys().load());
+        let full_s = first.estimate.prefill_s;
+        load.route(&store, home, 1_000_000, (full_s * 0.5 * 1e6) as u64);
+        let again = route(&mut r, &store, &b, 1000, 0);
+        assert_eq!(again.target.slot, home, "wait {:?}", again.estimate);
+        assert!(again.estimate.wait_s > 0.0);
+        r.finished(&store, &again, 1_000_000, false);
+        // Its queue now holds more than the whole prompt's prefill: moving is cheaper.
+        load.route(&store, home, 2_000_000, (full_s * 3.0 * 1e6) as u64);
+        let moved = route(&mut r, &store, &b, 2000, 0);
+        assert_ne!(moved.target.slot, home);
+        let (name, matched, alt) = moved
+            .passed_over
+            .clone()
+            .expect("names what it passed over");
+        assert_eq!(name, first.target.name);
+        assert_eq!(matched, moved.total_blocks);
+        assert!(
+            alt.wait_s > moved.estimate.recompute_s,
+            "{alt:?} vs {:?}",
+            moved.estimate
+        );
+    }
+
+    #[test]
+    fn distinct_images_behind_a_shared_prefix_spread_over_idle_workers() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 4);
+        let mut used = std::collections::HashSet::new();
+        for i in 0..4u32 {
+            let b = body(&png(300 + i, 300), "Describe this image.");
+            let d = route(&mut r, &store, &b, u64::from(i) * 1000, u64::from(i));
+            // Each finishes before the next arrives: only the cache footprint tells them apart.
+            r.finished(&store, &d, u64::from(i) * 1_000_000 + 500_000, true);
+            apply(&store, &r, u64::from(i) * 1000 + 600);
+            used.insert(d.target.slot);
+        }
+        assert_eq!(used.len(), 4, "new content spreads: {used:?}");
+    }
+
+    #[test]
+    fn load_is_counted_and_released_through_the_phases() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 2);
+        let d = route(&mut r, &store, &body(&png(100, 100), "x"), 0, 0);
+        let (start, end) = d.prefill_window.expect("window");
+        assert!(end > start);
+        let loads = r.loads(&store, 2);
+        assert_eq!(loads[d.target.slot].inflight, 1);
+        assert_eq!(loads[d.target.slot].queue_until_us, end);
+        assert!(r.prefill_done(&store, &d, start + 10));
+        assert_eq!(r.loads(&store, 2)[d.target.slot].queue_until_us, start + 10);
+        assert!(r.finished(&store, &d, start + 20, true));
+        assert_eq!(r.loads(&store, 2)[d.target.slot].inflight, 0);
     }
 
     #[test]
     fn bad_bodies_fall_back_to_the_least_loaded_worker() {
         let store = MemoryStore::default();
-        let mut vm = Router::new(config(3));
-        let (busy, _) = vm.route(&body(&png(64, 64), "a"), &store, 0, 0);
-        let (d, a) = vm.route(b"not json", &store, 0, 0);
+        let mut r = router(&store, 3);
+        let busy = route(&mut r, &store, &body(&png(64, 64), "a"), 0, 0);
+        let (d, a) = r.route(b"not json", &store, 0, 0);
+        let d = d.expect("a worker");
         assert_eq!(d.fallback, Some(Fallback::Analyze("bad_json")));
         assert!(a.is_none());
-        assert_ne!(d.worker, busy.worker, "least loaded, not the busy one");
+        assert_ne!(d.target, busy.target, "least loaded, not the busy one");
         let mut corrupt = png(64, 64);
         corrupt.truncate(20);
-        let (d, _) = vm.route(&body(&corrupt, "a"), &store, 0, 0);
+        let d = route(&mut r, &store, &body(&corrupt, "a"), 0, 0);
         assert_eq!(d.fallback, Some(Fallback::Analyze("bad_image")));
         let mut small = config(3);
         small.router.limits.max_body_bytes = 10;
-        let mut vm = Router::new(small);
-        let (d, _) = vm.route(&body(&png(64, 64), "a"), &store, 0, 0);
+        let mut r = Router::new(small);
+        let d = route(&mut r, &store, &body(&png(64, 64), "a"), 0, 0);
         assert_eq!(d.fallback, Some(Fallback::TooLarge));
     }
 
     #[test]
-    fn engine_metrics_steer_and_failing_workers_are_skipped() {
+    fn no_known_worker_means_no_decision() {
         let store = MemoryStore::default();
-        let mut vm = Router::new(config(2));
-        let busy = "vllm:num_requests_waiting 40\nvllm:num_requests_running 60\nvllm:kv_cache_usage_perc 0.95\n";
-        let idle = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n";
-        assert!(vm.record_poll(&store, 0, Some(busy), 1000));
-        assert!(vm.record_poll(&store, 1, Some(idle), 1000));
-        for seed in 0..8 {
-            let (d, _) = vm.route(&body(&png(64 + seed, 64), "q"), &store, 1100, seed as u64);
-            assert_eq!(d.worker, 1, "the engine says w0 is saturated");
-            vm.finished(&store, d.worker, d.prefill_blocks);
-        }
-        // Metrics older than three poll periods no longer count.
-        let (d0, _) = vm.route(&body(&png(200, 64), "q"), &store, 1000 + 1501, 0);
-        let (d1, _) = vm.route(&body(&png(201, 64), "q"), &store, 1000 + 1501, 0);
-        assert_ne!(d0.worker, d1.worker, "stale metrics ignored: load spreads");
-        vm.finished(&store, d0.worker, d0.prefill_blocks);
-        vm.finished(&store, d1.worker, d1.prefill_blocks);
-        // w1 stops answering: after 3 failed polls it is skipped, even with its cache.
+        let mut r = Router::new(config(2));
+        assert_eq!(r.route(&body(&png(8, 8), "x"), &store, 0, 0).0, None);
+    }
+
+    #[test]
+    fn failing_workers_are_skipped_and_come_back_with_their_cache() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 2);
+        let idle = EngineStats {
+            load: WorkerMetrics::default(),
+            ..EngineStats::default()
+        };
         let b = body(&png(300, 300), "again");
-        let (first, _) = vm.route(&b, &store, 2000, 5);
-        vm.finished(&store, first.worker, first.prefill_blocks);
+        let first = route(&mut r, &store, &b, 2000, 5);
+        r.finished(&store, &first, 2_100_000, true);
+        apply(&store, &r, 2100);
+        let keys = r.keys().clone();
         for t in 0..3 {
-            assert!(!vm.record_poll(&store, first.worker, None, 2100 + t));
+            assert!(!record_poll(
+                &store,
+                &keys,
+                16,
+                3,
+                first.target.slot,
+                None,
+                2100 + t
+            ));
         }
-        assert!(
-            !vm.record_poll(&store, first.worker, Some("<html>"), 2200),
-            "garbage is a failure"
+        let second = route(&mut r, &store, &b, 2300, 5);
+        assert_ne!(second.target, first.target);
+        let (fallback, _) = r.route(b"{", &store, 2_300_000, 5);
+        assert_ne!(
+            fallback.expect("a worker").target,
+            first.target,
+            "fallbacks avoid it too"
         );
-        let (second, _) = vm.route(&b, &store, 2300, 5);
-        assert_ne!(second.worker, first.worker);
-        let (fallback, _) = vm.route(b"{", &store, 2300, 5);
-        assert_ne!(fallback.worker, first.worker, "fallbacks avoid it too");
-        // A good poll brings it back, with its cache.
-        assert!(vm.record_poll(&store, first.worker, Some(idle), 2400));
-        let (third, _) = vm.route(&b, &store, 2500, 5);
-        assert_eq!(third.worker, first.worker);
+        assert!(record_poll(
+            &store,
+            &keys,
+            16,
+            3,
+            first.target.slot,
+            Some(idle),
+            2400
+        ));
+        r.finished(&store, &second, 2_400_000, true);
+        // w0 is eligible again and its cache was kept (w1 has a copy now too: the one with
+        // less recent new content wins).
+        let third = route(&mut r, &store, &b, 2500, 5);
+        assert_eq!(third.matched_blocks, third.total_blocks);
+        let w0_full = third.target == first.target
+            || third
+                .passed_over
+                .as_ref()
+                .is_some_and(|(name, m, _)| *name == first.target.name && *m == third.total_blocks);
+        assert!(w0_full, "{third:?}");
     }
 
     #[test]
     fn least_loaded_spreads_ties() {
-        let loads = vec![WorkerLoad::default(); 4];
-        let picks: std::collections::HashSet<usize> =
-            (0..16).map(|r| least_loaded(&loads, &[], r)).collect();
+        let loads = vec![Load::default(); 4];
+        let slots = [0, 1, 2, 3];
+        let picks: std::collections::HashSet<usize> = (0..16)
+            .filter_map(|r| least_loaded(&slots, &loads, 0, r))
+            .collect();
         assert_eq!(picks.len(), 4);
         let mut loads = loads;
-        loads[0].inflight = 1;
-        loads[1].inflight = 1;
-        loads[2].inflight = 1;
-        assert_eq!(least_loaded(&loads, &[], 12345), 3);
-        // An ineligible worker is passed over however idle; with none eligible, all count.
-        assert!(least_loaded(&loads, &[true, true, true, false], 12345) < 3);
-        assert_eq!(least_loaded(&loads, &[false; 4], 12345), 3);
+        for l in loads.iter_mut().take(3) {
+            l.inflight = 1;
+        }
+        assert_eq!(least_loaded(&slots, &loads, 0, 12345), Some(3));
+        assert_eq!(
+            least_loaded(&[0, 1], &loads, 0, 12345).map(|s| s < 2),
+            Some(true)
+        );
+        assert_eq!(least_loaded(&[], &loads, 0, 1), None);
     }
 }

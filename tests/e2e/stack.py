@@ -51,7 +51,9 @@ class Stack:
                 str(WASM),
                 self.port,
                 self.admin,
-                plugin_config or {},
+                # The tests read the response headers and the decision log line, which are
+                # off / at debug level by default.
+                {"response_headers": True, "decision_log": "info", **(plugin_config or {})},
             )
             if buffer_limit is not None:
                 config = config.replace(str(render.BUFFER_LIMIT), str(buffer_limit))

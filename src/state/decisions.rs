@@ -1,0 +1,91 @@
+//! Routing decisions on their way to the state writer: every VM enqueues one record per routed
+//! request on the shared queue `<ns>.decisions` (one host call), and the state writer drains
+//! the queue on its tick and applies the records to the block buckets and allocation clocks
+//! ([`super::writer`]).
+//!
+//! Record layout, little-endian:
+//! `u8 version (1) | u16 slot | u64 time_ms | u32 new_blocks | u32 keys | keys × u64`.
+
+use super::wire::Reader;
+
+/// One routing decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionRecord {
+    pub slot: u16,
+    pub time_ms: u64,
+    /// Blocks the worker has to allocate for the request (its uncached blocks plus the
+    /// expected output): what moves the worker's allocation clock in approximate mode.
+    pub new_blocks: u32,
+    /// The request's block keys, in prefix order.
+    pub keys: Vec<u64>,
+}
+
+const VERSION: u8 = 1;
+const HEADER: usize = 1 + 2 + 8 + 4 + 4;
+
+impl DecisionRecord {
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self.slot, self.time_ms, self.new_blocks, &self.keys)
+    }
+
+    /// Decodes a record; None when it is malformed.
+    pub fn decode(bytes: &[u8]) -> Option<DecisionRecord> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let slot = r.u16()?;
+        let time_ms = r.u64()?;
+        let new_blocks = r.u32()?;
+        let n = r.u32()? as usize;
+        if r.remaining() != n.checked_mul(8)? {
+            return None;
+        }
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            keys.push(r.u64()?);
+        }
+        Some(DecisionRecord {
+            slot,
+            time_ms,
+            new_blocks,
+            keys,
+        })
+    }
+}
+
+/// Encodes a record without building a [`DecisionRecord`] (the request path's one copy).
+pub fn encode(slot: u16, time_ms: u64, new_blocks: u32, keys: &[u64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + keys.len() * 8);
+    out.push(VERSION);
+    out.extend_from_slice(&slot.to_le_bytes());
+    out.extend_from_slice(&time_ms.to_le_bytes());
+    out.extend_from_slice(&new_blocks.to_le_bytes());
+    out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        out.extend_from_slice(&k.to_le_bytes());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_garbage_is_refused() {
+        let r = DecisionRecord {
+            slot: 3,
+            time_ms: 123_456,
+            new_blocks: 40,
+            keys: vec![1, u64::MAX, 7],
+        };
+        let bytes = r.encode();
+        assert_eq!(DecisionRecord::decode(&bytes), Some(r));
+        assert_eq!(DecisionRecord::decode(&bytes[..bytes.len() - 1]), None);
+        assert_eq!(DecisionRecord::decode(b""), None);
+        let mut wrong = bytes.clone();
+        wrong[0] = 9;
+        assert_eq!(DecisionRecord::decode(&wrong), None);
+    }
+}

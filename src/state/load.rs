@@ -1,0 +1,237 @@
+//! Each worker's load as the router sees it (`<ns>.load`): requests in flight and a prefill
+//! queue clock. Every VM updates it with CAS on the request path; it is 16 bytes per slot.
+//!
+//! ## The prefill queue clock
+//! An engine prefills one batch after another, first come first served (vLLM's FCFS
+//! scheduler), so what a new request waits for is the prefill still queued ahead of it. The
+//! router keeps that as a time: `queue_until` is when the worker will have finished the
+//! prefill of everything routed to it so far. Routing a request whose uncached prompt takes
+//! `p` to prefill sets `start = max(now, queue_until)`, `queue_until = start + p`, and the
+//! request's own prefill is estimated to end at `queue_until`.
+//!
+//! The clock follows each request's phases:
+//! - **Streaming**: prefill ends at the first response body chunk (vLLM sends the response
+//!   headers before prefill, the first chunk after it). If it came at `t` while it was
+//!   expected at `e`, the work queued behind it starts at `t`, not `e`:
+//!   `queue_until = t + max(0, queue_until - e)`.
+//! - **Non-streaming**: the answer comes after decoding, so the first byte says nothing about
+//!   prefill; the clock simply passes the estimate. An answer that arrives before the estimate
+//!   proves prefill was faster, and corrects the clock the same way.
+//! - **Reset or error before prefill ended**: the engine drops the request, so its remaining
+//!   share of the queue is taken out.
+//!
+//! Nothing has to be released for the clock to stay right: a lost `on_log` (a VM that
+//! trapped, a reload) leaves a clock that drains by itself.
+//!
+//! ## In-flight counts
+//! Released on completion, reset and stream error (`on_log`). A VM that traps loses its
+//! streams' releases, so the state writer reconciles the counts with the engine: when a
+//! worker's count stays above `vllm:num_requests_running + vllm:num_requests_waiting` for
+//! three fresh polls in a row, it is lowered to that (see [`super::writer`]).
+
+use super::wire::Reader;
+use super::{SharedStore, cas_update};
+
+/// One slot's load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Load {
+    /// Requests routed to the worker and not finished.
+    pub inflight: u32,
+    /// When the worker's queued prefill will be done (µs since the epoch).
+    pub queue_until_us: u64,
+}
+
+impl Load {
+    /// Prefill time still queued ahead of a request arriving at `now_us`.
+    pub fn queued_us(&self, now_us: u64) -> u64 {
+        self.queue_until_us.saturating_sub(now_us)
+    }
+}
+
+const ENTRY: usize = 16;
+
+/// Decodes the table (a malformed value reads as all zeros; missing slots are zeros).
+pub fn decode(bytes: &[u8], slots: usize) -> Vec<Load> {
+    let mut out = vec![Load::default(); slots];
+    if !bytes.len().is_multiple_of(ENTRY) {
+        return out;
+    }
+    let mut r = Reader::new(bytes);
+    for load in out.iter_mut() {
+        let (Some(inflight), Some(_), Some(until)) = (r.u32(), r.u32(), r.u64()) else {
+            break;
+        };
+        *load = Load {
+            inflight,
+            queue_until_us: until,
+        };
+    }
+    out
+}
+
+pub fn encode(loads: &[Load]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(loads.len() * ENTRY);
+    for l in loads {
+        out.extend_from_slice(&l.inflight.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&l.queue_until_us.to_le_bytes());
+    }
+    out
+}
+
+/// The load table of one configuration.
+#[derive(Debug, Clone)]
+pub struct LoadTable {
+    key: String,
+}
+
+impl LoadTable {
+    pub fn new(key: String) -> LoadTable {
+        LoadTable { key }
+    }
+
+    /// Every slot's load, `slots` entries.
+    pub fn read(&self, store: &dyn SharedStore, slots: usize) -> Vec<Load> {
+        match store.get(&self.key) {
+            Ok(Some((bytes, _))) => decode(&bytes, slots),
+            _ => vec![Load::default(); slots],
+        }
+    }
+
+    fn update(&self, store: &dyn SharedStore, slot: usize, f: impl Fn(&mut Load)) -> bool {
+        cas_update(store, &self.key, |bytes| {
+            let n = (bytes.len() / ENTRY).max(slot + 1);
+            let mut loads = decode(bytes, n);
+            let load = loads.get_mut(slot)?;
+            f(load);
+            Some(encode(&loads))
+        })
+    }
+
+    /// A request was routed to `slot` at `now_us` with `prefill_us` of prefill to do. Returns
+    /// when its prefill is estimated to end (None when the update was lost).
+    pub fn route(
+        &self,
+        store: &dyn SharedStore,
+        slot: usize,
+        now_us: u64,
+        prefill_us: u64,
+    ) -> Option<u64> {
+        let end = std::cell::Cell::new(None);
+        let ok = self.update(store, slot, |l| {
+            l.inflight = l.inflight.saturating_add(1);
+            let start = l.queue_until_us.max(now_us);
+            l.queue_until_us = start.saturating_add(prefill_us);
+            end.set(Some(l.queue_until_us));
+        });
+        if ok { end.get() } else { None }
+    }
+
+    /// The request's prefill ended at `now_us`; it had been estimated to end at `expected_us`.
+    pub fn prefill_done(
+        &self,
+        store: &dyn SharedStore,
+        slot: usize,
+        now_us: u64,
+        expected_us: u64,
+    ) -> bool {
+        self.update(store, slot, |l| {
+            let behind = l.queue_until_us.saturating_sub(expected_us);
+            l.queue_until_us = now_us.saturating_add(behind);
+        })
+    }
+
+    /// The request finished (completed, reset or failed). `unfinished_prefill` is its
+    /// estimated prefill window `(start_us, end_us)` when its prefill had not been seen to end:
+    /// if that was still ahead (before its estimated end), its whole duration leaves the queue
+    /// (the engine drops a request it has not prefilled; where it had started, the work behind
+    /// it moves up by at most that much too early, which the next first chunk corrects).
+    pub fn finish(
+        &self,
+        store: &dyn SharedStore,
+        slot: usize,
+        now_us: u64,
+        unfinished_prefill: Option<(u64, u64)>,
+    ) -> bool {
+        self.update(store, slot, |l| {
+            l.inflight = l.inflight.saturating_sub(1);
+            if let Some((start, end)) = unfinished_prefill
+                && now_us < end
+            {
+                let duration = end.saturating_sub(start);
+                l.queue_until_us = l.queue_until_us.saturating_sub(duration).max(now_us);
+            }
+        })
+    }
+
+    /// Sets `slot`'s in-flight count to at most `count` (reconciliation with the engine).
+    pub fn cap_inflight(&self, store: &dyn SharedStore, slot: usize, count: u32) -> bool {
+        self.update(store, slot, |l| l.inflight = l.inflight.min(count))
+    }
+
+    /// Zeroes a slot (a worker joined a freed slot).
+    pub fn reset(&self, store: &dyn SharedStore, slot: usize) -> bool {
+        self.update(store, slot, |l| *l = Load::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::MemoryStore;
+
+    #[test]
+    fn prefill_queues_behind_earlier_requests_and_drains_with_time() {
+        let s = MemoryStore::default();
+        let t = LoadTable::new("load".into());
+        assert_eq!(t.route(&s, 1, 1_000, 500), Some(1_500));
+        assert_eq!(
+            t.route(&s, 1, 1_100, 300),
+            Some(1_800),
+            "queued behind the first"
+        );
+        let l = t.read(&s, 2);
+        assert_eq!(l[1].inflight, 2);
+        assert_eq!(l[1].queued_us(1_100), 700);
+        assert_eq!(l[1].queued_us(2_000), 0, "the clock drains by itself");
+        assert_eq!(l[0], Load::default());
+        assert_eq!(t.route(&s, 1, 5_000, 100), Some(5_100), "idle again");
+    }
+
+    #[test]
+    fn a_late_first_token_delays_what_queued_behind_it() {
+        let s = MemoryStore::default();
+        let t = LoadTable::new("load".into());
+        let first = t.route(&s, 0, 0, 1_000).expect("routed");
+        t.route(&s, 0, 0, 1_000).expect("routed");
+        // The first request's prefill ended at 1_600, not 1_000: the second ends at 2_600.
+        assert!(t.prefill_done(&s, 0, 1_600, first));
+        assert_eq!(t.read(&s, 1)[0].queue_until_us, 2_600);
+        // An early one pulls it in.
+        let s2 = MemoryStore::default();
+        let first = t.route(&s2, 0, 0, 1_000).expect("routed");
+        t.route(&s2, 0, 0, 1_000).expect("routed");
+        assert!(t.prefill_done(&s2, 0, 400, first));
+        assert_eq!(t.read(&s2, 1)[0].queue_until_us, 1_400);
+    }
+
+    #[test]
+    fn a_reset_before_prefill_takes_its_share_out_and_counts_never_go_negative() {
+        let s = MemoryStore::default();
+        let t = LoadTable::new("load".into());
+        let a = t.route(&s, 0, 0, 1_000).expect("routed");
+        let b = t.route(&s, 0, 0, 1_000).expect("routed");
+        // The second request is reset at 500 while it waited: its 1_000 leave the queue.
+        assert!(t.finish(&s, 0, 500, Some((a, b))));
+        let l = t.read(&s, 1)[0];
+        assert_eq!((l.inflight, l.queue_until_us), (1, 1_000));
+        // One reset after its estimated end takes nothing (it had been prefilled).
+        let c = t.route(&s, 0, 600, 100).expect("routed");
+        assert!(t.finish(&s, 0, 2_000, Some((c - 100, c))));
+        assert_eq!(t.read(&s, 1)[0].queue_until_us, 1_100);
+        assert!(t.finish(&s, 0, 600, None));
+        assert!(t.finish(&s, 0, 600, None));
+        assert_eq!(t.read(&s, 1)[0].inflight, 0);
+        assert!(t.cap_inflight(&s, 0, 0));
+    }
+}

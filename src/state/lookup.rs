@@ -1,0 +1,233 @@
+//! The longest prefix each worker holds, in O(log n) bucket reads.
+//!
+//! A request's block keys are chained (each covers its parent), and a worker holds a block
+//! only together with its ancestors: routing records a request's whole prefix at once, and a
+//! block's ancestors are touched whenever it is, so they are never older than it. Whether a
+//! worker holds key `i` is therefore monotone in `i`, and its matched prefix is the first key
+//! it does not hold: a binary search. One probe (one bucket read) answers "does w hold key i"
+//! for every worker at once, so the search runs over all workers together:
+//!
+//! 1. probe the last key: its holders hold the whole request (an exact repeat costs 1 read);
+//! 2. probe key 0: the workers that hold anything (none: nobody has this prefix, 2 reads);
+//! 3. repeatedly take the unresolved worker with the longest known prefix and probe the middle
+//!    of its interval, updating every worker's bounds with the answer,
+//!
+//! until every worker is resolved or `max_probes` is spent (then a worker's depth is the
+//! longest prefix proven, never more). With k distinct depths among the workers it costs about
+//! k·log2(n) probes; the longest matches, the ones routing turns on, resolve first.
+//!
+//! Positive evidence wins over negative: a worker seen holding key `i` holds the first `i + 1`
+//! keys even if an earlier probe found it missing a shallower key. That happens in the moments
+//! after a decision, when the deciding VM has recorded the request's last key itself and the
+//! state writer has not yet recorded the rest (see `filter::router`), and when a full bucket
+//! dropped an ancestor the engine still holds.
+
+use super::blocks::{BlocksConfig, Holder, holders_of};
+use super::workers::Live;
+
+/// The result of [`match_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrefixMatch {
+    /// Leading keys held, per slot.
+    pub depths: Vec<usize>,
+    /// Bucket reads made.
+    pub probes: usize,
+}
+
+impl PrefixMatch {
+    pub fn depth(&self, slot: usize) -> usize {
+        self.depths.get(slot).copied().unwrap_or(0)
+    }
+
+    pub fn best(&self) -> usize {
+        self.depths.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// A good probe budget for `n` keys: enough for a handful of distinct depths.
+pub fn default_probes(n: usize) -> usize {
+    let log = (usize::BITS - n.leading_zeros()) as usize;
+    2 + 4 * log
+}
+
+/// Matches `keys` against the block buckets. `fetch(bucket)` reads one bucket (None when it
+/// does not exist or cannot be read); `live` validates holders.
+pub fn match_prefix(
+    keys: &[u64],
+    live: &[Live],
+    config: &BlocksConfig,
+    max_probes: usize,
+    fetch: &mut dyn FnMut(u32) -> Option<Vec<u8>>,
+) -> PrefixMatch {
+    let slots = live.len();
+    let n = keys.len();
+    let mut lo = vec![0usize; slots];
+    let mut hi = vec![n; slots];
+    let mut result = PrefixMatch {
+        depths: vec![0; slots],
+        probes: 0,
+    };
+    if n == 0 || slots == 0 {
+        return result;
+    }
+    let mut holders: Vec<Holder> = Vec::new();
+    let mut present = vec![false; slots];
+    let mut probe = |i: usize, lo: &mut [usize], hi: &mut [usize], probes: &mut usize| {
+        let Some(&key) = keys.get(i) else {
+            return;
+        };
+        *probes += 1;
+        holders.clear();
+        if let Some(bytes) = fetch(config.bucket_of(key)) {
+            holders_of(&bytes, key, &mut holders);
+        }
+        present.iter_mut().for_each(|p| *p = false);
+        for h in &holders {
+            let s = usize::from(h.slot);
+            if live.get(s).is_some_and(|l| l.holds(h.stamp))
+                && let Some(p) = present.get_mut(s)
+            {
+                *p = true;
+            }
+        }
+        for ((l, h), &held) in lo.iter_mut().zip(hi.iter_mut()).zip(present.iter()) {
+            if held {
+                *l = (*l).max(i + 1);
+                *h = (*h).max(*l);
+            } else if i >= *l {
+                *h = (*h).min(i);
+            }
+        }
+    };
+    probe(n - 1, &mut lo, &mut hi, &mut result.probes);
+    if n > 1 && lo.iter().any(|&l| l < n) {
+        probe(0, &mut lo, &mut hi, &mut result.probes);
+    }
+    if lo.iter().all(|&l| l == 0) {
+        return result;
+    }
+    while result.probes < max_probes {
+        // The unresolved worker with the longest proven prefix.
+        let next = lo
+            .iter()
+            .zip(hi.iter())
+            .enumerate()
+            .filter(|(_, (l, h))| l < h && **l > 0)
+            .max_by_key(|(s, (l, _))| (**l, std::cmp::Reverse(*s)))
+            .map(|(_, (l, h))| (*l + *h) / 2);
+        let Some(mid) = next else {
+            break;
+        };
+        probe(mid, &mut lo, &mut hi, &mut result.probes);
+    }
+    result.depths = lo;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::blocks::Bucket;
+    use crate::state::workers::flag;
+    use std::collections::HashMap;
+
+    /// Buckets where slot `s` holds the first `depths[s]` of `keys`.
+    fn buckets(
+        keys: &[u64],
+        depths: &[usize],
+        config: &BlocksConfig,
+        live: &[Live],
+    ) -> HashMap<u32, Vec<u8>> {
+        let mut map: HashMap<u32, Bucket> = HashMap::new();
+        for (slot, &d) in depths.iter().enumerate() {
+            for &k in keys.iter().take(d) {
+                map.entry(config.bucket_of(k))
+                    .or_default()
+                    .touch(k, slot as u16, 0, live, config);
+            }
+        }
+        map.into_iter().map(|(b, v)| (b, v.encode())).collect()
+    }
+
+    fn live(n: usize) -> Vec<Live> {
+        vec![
+            Live {
+                capacity: 1 << 20,
+                flags: flag::ACTIVE,
+                ..Live::default()
+            };
+            n
+        ]
+    }
+
+    fn run(n_keys: usize, depths: &[usize], max_probes: usize) -> PrefixMatch {
+        let config = BlocksConfig::default();
+        let keys: Vec<u64> = (0..n_keys as u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+            .collect();
+        let l = live(depths.len());
+        let b = buckets(&keys, depths, &config, &l);
+        match_prefix(&keys, &l, &config, max_probes, &mut |i| b.get(&i).cloned())
+    }
+
+    #[test]
+    fn new_content_costs_two_reads_and_an_exact_repeat_one() {
+        let m = run(200, &[0, 0, 0], 100);
+        assert_eq!(m.depths, vec![0, 0, 0]);
+        assert_eq!(m.probes, 2);
+        let m = run(200, &[200, 200], 100);
+        assert_eq!(m.depths, vec![200, 200]);
+        assert_eq!(m.probes, 1);
+    }
+
+    #[test]
+    fn a_recorded_last_key_proves_the_whole_prefix() {
+        // Only the last key is recorded yet (the decision's first write).
+        let config = BlocksConfig::default();
+        let keys: Vec<u64> = (1..=50).collect();
+        let l = live(2);
+        let mut b = Bucket::default();
+        b.touch(50, 1, 0, &l, &config);
+        let bytes = b.encode();
+        let bucket = config.bucket_of(50);
+        let m = match_prefix(&keys, &l, &config, 20, &mut |i| {
+            (i == bucket).then(|| bytes.clone())
+        });
+        assert_eq!(m.depths, vec![0, 50]);
+    }
+
+    #[test]
+    fn every_depth_is_found_exactly_with_enough_probes() {
+        let depths = [150, 10, 10, 0, 200, 37];
+        let m = run(200, &depths, 1000);
+        assert_eq!(m.depths, depths.to_vec());
+        assert!(m.probes <= 4 * 8 + 2, "{} probes", m.probes);
+    }
+
+    #[test]
+    fn the_longest_match_resolves_within_a_log_budget() {
+        let depths = [141, 2, 2, 2];
+        let m = run(150, &depths, default_probes(150));
+        assert_eq!(m.depth(0), 141);
+        assert!(m.probes <= default_probes(150));
+        // A tiny budget never over-states a depth.
+        for budget in 0..12 {
+            let m = run(150, &depths, budget);
+            for (s, &d) in depths.iter().enumerate() {
+                assert!(m.depth(s) <= d, "budget {budget}: slot {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn expired_holders_do_not_match() {
+        let config = BlocksConfig::default();
+        let keys = [11u64, 22, 33];
+        let mut l = live(2);
+        l[0].capacity = 4;
+        let b = buckets(&keys, &[3, 3], &config, &l);
+        l[0].clock = 4; // four newer blocks allocated on slot 0: evicted
+        let m = match_prefix(&keys, &l, &config, 20, &mut |i| b.get(&i).cloned());
+        assert_eq!(m.depths, vec![0, 3]);
+    }
+}
