@@ -19,8 +19,11 @@ use super::poller::{Event, membership_events};
 use super::router::Router;
 use crate::feed;
 use crate::state::SharedStore;
+use crate::state::load::LoadTable;
 use crate::state::workers::flag;
-use crate::state::writer::{read_live, read_members, set_images, sync_members, update_live};
+use crate::state::writer::{
+    engine_requests, over_engine, read_live, read_members, set_images, sync_members, update_live,
+};
 use std::collections::HashMap;
 
 /// What the writer remembers between feeds.
@@ -65,8 +68,12 @@ impl FeedState {
         let router_bs = config.router.block_size.max(1) as u64;
         let mut totals = std::mem::take(&mut self.totals);
         let mut next_totals = HashMap::new();
+        let load = LoadTable::new(keys.load());
+        let loads = load.read(store, members.slots.len());
+        let mut reconcile = Vec::new();
         update_live(store, keys, now_ms, |table| {
             next_totals.clear();
+            reconcile.clear();
             for w in &f.workers {
                 let Some(slot) = members.slot_of(&w.name) else {
                     continue;
@@ -98,6 +105,11 @@ impl FeedState {
                         l.prefill_tps = w.prefill_tps;
                     }
                     l.metrics_ms = now_ms.saturating_sub(u64::from(w.metrics_age_ms));
+                    let engine = engine_requests(f64::from(w.running), f64::from(w.waiting));
+                    let inflight = loads.get(slot).map_or(0, |l| l.inflight);
+                    if over_engine(l, inflight, engine) {
+                        reconcile.push((slot, engine));
+                    }
                 }
                 if w.events_connected {
                     l.flags |= flag::EVENTS;
@@ -119,6 +131,9 @@ impl FeedState {
         });
         totals.clear();
         self.totals = next_totals;
+        for (slot, engine) in reconcile {
+            load.cap_inflight(store, slot, engine);
+        }
         let live = read_live(store, keys);
         let updates: Vec<(usize, u64, u32)> = f
             .images
@@ -131,5 +146,180 @@ impl FeedState {
         set_images(store, keys, &config.state, &live, &updates);
         self.cursor = f.cursor;
         Ok(events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::analyze;
+    use crate::feed::{Feed, FeedWorker, ImageResidency, encode};
+    use crate::filter::config::FilterConfig;
+    use crate::state::MemoryStore;
+    use crate::state::writer::drain;
+
+    fn worker(name: &str, stored: u64, cleared: u32) -> FeedWorker {
+        FeedWorker {
+            name: name.into(),
+            address: format!("10.0.0.{}:8000", name.len()),
+            healthy: true,
+            events_connected: true,
+            capacity: 1000,
+            block_size: 16,
+            stored_total: stored,
+            cleared_total: cleared,
+            ..FeedWorker::default()
+        }
+    }
+
+    fn feed(workers: Vec<FeedWorker>, images: Vec<ImageResidency>) -> Vec<u8> {
+        encode(&Feed {
+            epoch: 9,
+            workers,
+            images,
+            ..Feed::default()
+        })
+    }
+
+    fn setup() -> (MemoryStore, Router, FeedState) {
+        let store = MemoryStore::default();
+        let router = Router::new(FilterConfig::from_json(br#"{"sidecar":{}}"#).expect("config"));
+        router.prepare(&store);
+        (store, router, FeedState::default())
+    }
+
+    fn body(text: &str) -> Vec<u8> {
+        // A 2x2 PNG inline, then text.
+        let png = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP8z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==";
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{text}"}},{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{png}"}}}},{{"type":"text","text":"what is it"}}]}}]}}"#
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn the_engines_stored_blocks_move_the_clock_and_a_clear_empties_the_worker() {
+        let (store, router, mut state) = setup();
+        state
+            .apply(&router, &store, &feed(vec![worker("a", 0, 0)], vec![]), 1)
+            .expect("applies");
+        let live = read_live(&store, router.keys());
+        let start = live.slots[0].clock;
+        assert_eq!(live.slots[0].capacity, 1000);
+        assert!(live.slots[0].flags & flag::EVENTS != 0);
+        // The engine stored 40 blocks of 32 tokens: 80 of the router's 16.
+        let mut w = worker("a", 40, 0);
+        w.block_size = 32;
+        state
+            .apply(&router, &store, &feed(vec![w], vec![]), 2)
+            .expect("applies");
+        let live = read_live(&store, router.keys());
+        assert_eq!(live.slots[0].clock, start + 80);
+        assert_eq!(live.slots[0].capacity, 2000);
+        // An AllBlocksCleared jumps past the capacity.
+        state
+            .apply(&router, &store, &feed(vec![worker("a", 40, 1)], vec![]), 3)
+            .expect("applies");
+        assert!(read_live(&store, router.keys()).slots[0].clock > start + 80 + 1000);
+        // A new sidecar epoch starts its totals again: no jump from the reset counters.
+        let before = read_live(&store, router.keys()).slots[0].clock;
+        let mut restarted = Feed {
+            epoch: 10,
+            workers: vec![worker("a", 0, 0)],
+            ..Feed::default()
+        };
+        state
+            .apply(&router, &store, &encode(&restarted), 4)
+            .expect("applies");
+        restarted.workers = vec![worker("a", 5, 0)];
+        state
+            .apply(&router, &store, &encode(&restarted), 5)
+            .expect("applies");
+        assert_eq!(read_live(&store, router.keys()).slots[0].clock, before + 5);
+        assert!(state.apply(&router, &store, b"garbage", 6).is_err());
+    }
+
+    #[test]
+    fn a_worker_whose_engine_evicted_the_image_stops_attracting_requests_for_it() {
+        let (store, mut router, mut state) = setup();
+        let workers = || vec![worker("a", 0, 0), worker("b", 0, 0)];
+        state
+            .apply(&router, &store, &feed(workers(), vec![]), 1)
+            .expect("applies");
+        // The poller marks the state precise while the feed is fresh.
+        update_live(&store, router.keys(), 1, |t| {
+            t.precise = true;
+            true
+        });
+        let b = body(&"a long shared system prompt ".repeat(20));
+        let analysis = analyze(&b, &router.config.router).expect("analyses");
+        let image = analysis.media[0].id.key64();
+        let first = router
+            .route_analysis(&analysis, &store, 1_000_000, 1)
+            .expect("routed");
+        router.finished(&store, &first, 1_100_000, true);
+        drain(
+            &store,
+            router.keys(),
+            &router.config.state,
+            60_000,
+            1100,
+            100,
+        );
+        let slot = first.target.slot as u32;
+        // The engine reports it holds the image's blocks: the next request matches fully.
+        state
+            .apply(
+                &router,
+                &store,
+                &feed(
+                    workers(),
+                    vec![ImageResidency {
+                        worker: slot,
+                        image,
+                        blocks: 4,
+                    }],
+                ),
+                1200,
+            )
+            .expect("applies");
+        let again = router
+            .route_analysis(&analysis, &store, 2_000_000, 1)
+            .expect("routed");
+        assert!(again.precise);
+        assert_eq!(again.target, first.target);
+        assert_eq!(again.matched_blocks, again.total_blocks);
+        router.finished(&store, &again, 2_100_000, true);
+        // It evicted them: the match stops where the image starts.
+        state
+            .apply(
+                &router,
+                &store,
+                &feed(
+                    workers(),
+                    vec![ImageResidency {
+                        worker: slot,
+                        image,
+                        blocks: 0,
+                    }],
+                ),
+                2200,
+            )
+            .expect("applies");
+        let after = router
+            .route_analysis(&analysis, &store, 3_000_000, 1)
+            .expect("routed");
+        let image_block = analysis
+            .layout
+            .media
+            .iter()
+            .map(|m| m.block as usize)
+            .min()
+            .expect("image blocks");
+        assert!(
+            after.matched_blocks <= image_block,
+            "{} > {image_block}",
+            after.matched_blocks
+        );
     }
 }

@@ -334,17 +334,9 @@ pub fn record_poll(
                     l.tokens_total = tokens;
                     l.prefill_seconds_total = seconds;
                 }
-                let count = (s.load.running + s.load.waiting).max(0.0).round() as u32;
+                let count = engine_requests(s.load.running, s.load.waiting);
                 engine_count = Some(count);
-                if inflight > count {
-                    l.over_count = l.over_count.saturating_add(1);
-                    if l.over_count >= 3 {
-                        reconcile = true;
-                        l.over_count = 0;
-                    }
-                } else {
-                    l.over_count = 0;
-                }
+                reconcile = over_engine(l, inflight, count);
             }
         }
         true
@@ -353,6 +345,27 @@ pub fn record_poll(
         LoadTable::new(keys.load()).cap_inflight(store, slot, count);
     }
     polled.is_some()
+}
+
+/// Requests the engine reports (running + waiting).
+pub fn engine_requests(running: f64, waiting: f64) -> u32 {
+    (running + waiting).max(0.0).round() as u32
+}
+
+/// Counts one poll where the router's in-flight count for a slot was (or was not) above the
+/// engine's; true when it has been above for three polls in a row, and the count should be
+/// capped at the engine's ([`LoadTable::cap_inflight`]).
+pub fn over_engine(l: &mut Live, inflight: u32, engine: u32) -> bool {
+    if inflight > engine {
+        l.over_count = l.over_count.saturating_add(1);
+        if l.over_count >= 3 {
+            l.over_count = 0;
+            return true;
+        }
+    } else {
+        l.over_count = 0;
+    }
+    false
 }
 
 /// Clears what the router believes `slot` holds (its engine cleared its cache): the clock
