@@ -3,18 +3,27 @@
 
     envoy/render.py --workers 127.0.0.1:8001,127.0.0.1:8002 --wasm target/.../mmrouter.wasm
                     [--port 10000] [--admin-port 9901] [--names w0,w1] [--router-config FILE]
-                    [--out envoy.yaml]
+                    [--upstream override-host|original-dst] [--out envoy.yaml]
 
 The output is a complete static Envoy bootstrap (Envoy >= 1.35 for
-allow_on_headers_stop_iteration; tested with 1.40):
+allow_on_headers_stop_iteration and the override_host load-balancing policy; tested with 1.40):
 
 - listener on 127.0.0.1:PORT with a 64 MiB per-connection buffer (image bodies are large; a
   body over it gets Envoy's 413);
 - HTTP filters: header_mutation strips client steering headers even if the Wasm VM is down,
   then the mmrouter Wasm filter (V8), then the router;
 - routes: a request carrying x-gateway-destination-endpoint (set only by the filter) goes to the
-  ORIGINAL_DST cluster that connects to exactly that ip:port; everything else (GET /v1/models,
-  /health, ...) goes to the round-robin `workers` cluster;
+  `mmrouter_workers` cluster; everything else (GET /v1/models, /health, ...) goes to the
+  round-robin `workers` cluster;
+- upstream (`--upstream`):
+  - `override-host` (default): `mmrouter_workers` holds the workers and uses Envoy's
+    override_host load-balancing policy on the header; the filter writes the chosen worker and
+    the next-best two (`retry_alternates: 2`), so a retry on connect failure or reset goes to
+    the next-best worker the filter ranked. Outlier detection ejects a worker that keeps
+    failing; circuit breakers are sized for long-lived LLM streams;
+  - `original-dst`: an ORIGINAL_DST cluster connects to exactly the one address in the header
+    (any address the filter learns, no cluster membership needed, no retry elsewhere);
+- timeouts fit long generations: no route timeout, a 300 s stream idle timeout;
 - stats_tags turn the filter's metric names into Prometheus labels (worker, reason);
 - admin on 127.0.0.1:ADMIN_PORT.
 Only the Python standard library is used.
@@ -49,23 +58,104 @@ WASM_FILTER = """          - name: envoy.filters.http.wasm
 """
 
 
-def render(workers, names, wasm, port, admin_port, router_config, with_filter=True):
+# Retries go to the next address the filter listed (override_host), on failures that mean the
+# request never reached a working engine. Not on 5xx: an engine that answered has done work.
+RETRY_POLICY = """                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset-before-request
+                    num_retries: 2
+                    per_try_timeout: 0s"""
+
+# Sized for LLM streams: thousands of concurrent, minutes-long requests per Envoy (the
+# default of 1,024 concurrent requests per cluster would refuse the 1,025th stream).
+CIRCUIT_BREAKERS = """    circuit_breakers:
+      thresholds:
+      - priority: DEFAULT
+        max_connections: 100000
+        max_pending_requests: 100000
+        max_requests: 100000
+        max_retries: 1000"""
+
+OUTLIER_DETECTION = """    outlier_detection:
+      # Connection failures and resets (local origin) eject fast; 5xx from the engine slower.
+      split_external_local_origin_errors: true
+      consecutive_local_origin_failure: 2
+      consecutive_gateway_failure: 3
+      consecutive_5xx: 10
+      interval: 1s
+      base_ejection_time: 5s
+      max_ejection_percent: 50"""
+
+
+def endpoints_yaml(workers, indent="        "):
+    return "\n".join(
+        f"""{indent}- endpoint:
+{indent}    address:
+{indent}      socket_address: {{ address: {a.rsplit(':', 1)[0].strip('[]')}, port_value: {a.rsplit(':', 1)[1]} }}"""
+        for a in workers
+    )
+
+
+def workers_cluster(upstream, workers):
+    """The cluster the filter's header selects a worker in."""
+    if upstream == "original-dst":
+        return f"""  # Connects to whatever ip:port the filter put in x-gateway-destination-endpoint; the filter
+  # only ever writes the workers' addresses, and client copies are stripped above.
+  - name: mmrouter_workers
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {BUFFER_LIMIT}
+{CIRCUIT_BREAKERS}
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+"""
+    return f"""  # The workers, selected by the filter's header (override_host): the first address, then
+  # the next ones on retries; with no usable address, least-request among them.
+  - name: mmrouter_workers
+    type: STATIC
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {BUFFER_LIMIT}
+{CIRCUIT_BREAKERS}
+{OUTLIER_DETECTION}
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-gateway-destination-endpoint
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.least_request
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest
+    load_assignment:
+      cluster_name: mmrouter_workers
+      endpoints:
+      - lb_endpoints:
+{endpoints_yaml(workers)}
+"""
+
+
+def render(workers, names, wasm, port, admin_port, router_config, with_filter=True,
+           upstream="override-host"):
     """The bootstrap YAML. With with_filter=False the Wasm filter is left out: nothing sets the
     destination header, so every request takes the round-robin route (a baseline to compare
     against, same listener, buffers and clusters)."""
-    plugin = dict(router_config)
+    plugin = {}
+    if upstream == "override-host":
+        plugin["retry_alternates"] = 2
+    plugin.update(router_config)
     plugin["workers"] = [{"name": n, "address": a} for n, a in zip(names, workers)]
     plugin_json = json.dumps(plugin, separators=(",", ":"))
     wasm_filter = (
         WASM_FILTER.format(value=json.dumps(plugin_json), filename=json.dumps(wasm))
         if with_filter else ""
     )
-    endpoints = "\n".join(
-        f"""        - endpoint:
-            address:
-              socket_address: {{ address: {a.rsplit(':', 1)[0].strip('[]')}, port_value: {a.rsplit(':', 1)[1]} }}"""
-        for a in workers
-    )
+    endpoints = endpoints_yaml(workers)
     return f"""# Generated by envoy/render.py: mmrouter in front of {len(workers)} worker(s).
 admin:
   address:
@@ -92,8 +182,9 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: mmrouter
-          stream_idle_timeout: 600s
-          request_timeout: 600s
+          # LLM answers stream for minutes: no overall limit, but a stream silent for 5 min ends.
+          stream_idle_timeout: 300s
+          request_timeout: 300s
           route_config:
             name: llm
             virtual_hosts:
@@ -105,9 +196,12 @@ static_resources:
                   headers:
                   - name: x-gateway-destination-endpoint
                     present_match: true
-                route: {{ cluster: mmrouter_endpoint, timeout: 600s }}
+                route:
+                  cluster: mmrouter_workers
+                  timeout: 0s
+{RETRY_POLICY}
               - match: {{ prefix: "/" }}
-                route: {{ cluster: workers, timeout: 600s }}
+                route: {{ cluster: workers, timeout: 0s }}
           http_filters:
           - name: envoy.filters.http.header_mutation
             typed_config:
@@ -121,13 +215,12 @@ static_resources:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 
   clusters:
-  # Connects to whatever ip:port the filter put in x-gateway-destination-endpoint; the filter
-  # only ever writes the configured workers' addresses, and client copies are stripped above.
+{workers_cluster(upstream, workers)}
+  # The filter's own /metrics polls of each worker: to exactly the address in the header.
   - name: mmrouter_endpoint
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 5s
-    per_connection_buffer_limit_bytes: {BUFFER_LIMIT}
+    connect_timeout: 1s
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
@@ -155,6 +248,8 @@ def main(argv):
     p.add_argument("--router-config", help="JSON file merged into the plugin configuration")
     p.add_argument("--no-filter", action="store_true",
                    help="leave the mmrouter filter out: plain round robin (a baseline)")
+    p.add_argument("--upstream", choices=["override-host", "original-dst"], default="override-host",
+                   help="how the filter's header selects a worker (see the module docs)")
     p.add_argument("--out", help="output file (default stdout)")
     a = p.parse_args(argv)
     workers = [w.strip() for w in a.workers.split(",") if w.strip()]
@@ -168,7 +263,7 @@ def main(argv):
         with open(a.router_config) as f:
             router_config = json.load(f)
     text = render(workers, names, a.wasm, a.port, a.admin_port, router_config,
-                  with_filter=not a.no_filter)
+                  with_filter=not a.no_filter, upstream=a.upstream)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

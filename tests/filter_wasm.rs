@@ -223,6 +223,29 @@ fn worker_naming_response_headers_are_off_by_default_and_the_log_line_has_a_swit
 }
 
 #[test]
+fn with_retry_alternates_the_header_lists_the_next_best_workers_after_the_chosen_one() {
+    let host = host();
+    let vm = host
+        .vm(vm_config(
+            3,
+            r#""metrics":{"poll_ms":0},"retry_alternates":2"#,
+        ))
+        .unwrap();
+    let s = chat(&vm, &text_body("hello")).send().unwrap();
+    let dest = s.request_header(DEST).expect("destination");
+    let listed: Vec<&str> = dest.split(',').collect();
+    assert_eq!(listed.len(), 3, "{dest}");
+    let mut sorted = listed.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, ADDRS.to_vec(), "each worker once");
+    assert_eq!(
+        s.response_header("x-mmrouter-worker"),
+        Some(format!("w{}", worker_of(Some(listed[0]))).as_str()),
+        "the chosen worker first"
+    );
+}
+
+#[test]
 fn client_sent_steering_headers_never_reach_upstream() {
     let host = host();
     let vm = host.vm(vm_config(2, "")).unwrap();

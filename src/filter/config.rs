@@ -7,6 +7,7 @@
 //!   "mode": "approximate",
 //!   "paths": ["/v1/chat/completions", "/v1/completions"],
 //!   "destination_header": "x-gateway-destination-endpoint",
+//!   "retry_alternates": 0,
 //!   "response_headers": false,
 //!   "decision_log": "debug",
 //!   "state": {"capacity_blocks": 16384, "tick_ms": 20, "blocks": {...}, ...},
@@ -143,6 +144,11 @@ pub struct FilterConfig {
     pub paths: Vec<String>,
     /// Header the ORIGINAL_DST cluster reads (default `x-gateway-destination-endpoint`).
     pub destination_header: String,
+    /// How many next-best workers follow the chosen one in the destination header, as
+    /// `ip:port,ip:port,...` (default 0: one address, what an ORIGINAL_DST cluster reads).
+    /// With Envoy's `override_host` load-balancing policy the extra addresses are where a
+    /// retry goes (on connect failure or reset): the filter ranks them.
+    pub retry_alternates: u8,
     /// Add `x-mmrouter-worker`, `x-mmrouter-overlap` and `x-mmrouter-decision` to responses
     /// (default false: they name workers, which clients need not know).
     pub response_headers: bool,
@@ -153,7 +159,8 @@ pub struct FilterConfig {
     pub router: RouterConfig,
 }
 
-const FILTER_KEYS: [&str; 9] = [
+const FILTER_KEYS: [&str; 10] = [
+    "retry_alternates",
     "metrics",
     "workers",
     "sidecar",
@@ -195,6 +202,10 @@ impl FilterConfig {
             Some(v) => field("destination_header", v)?,
             None => "x-gateway-destination-endpoint".into(),
         };
+        let retry_alternates: u8 = match take("retry_alternates") {
+            Some(v) => field("retry_alternates", v)?,
+            None => 0,
+        };
         let response_headers: bool = match take("response_headers") {
             Some(v) => field("response_headers", v)?,
             None => false,
@@ -220,6 +231,7 @@ impl FilterConfig {
             mode,
             paths,
             destination_header: destination_header.to_ascii_lowercase(),
+            retry_alternates,
             response_headers,
             decision_log,
             state,

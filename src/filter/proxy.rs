@@ -334,10 +334,11 @@ impl FilterStream {
             s.metrics.no_worker();
             return;
         };
+        let destination = decision.destination(usize::from(s.router.config.retry_alternates));
         let _ = hostcalls::set_map_value(
             MapType::HttpRequestHeaders,
             &s.router.config.destination_header,
-            Some(&decision.target.address),
+            Some(&destination),
         );
         if let Some(level) = s.decision_level {
             log(level, &decision_line(&decision));

@@ -79,6 +79,19 @@ pub struct Decision {
     pub recorded: bool,
 }
 
+impl Decision {
+    /// The destination header's value: the chosen worker, then up to `alternates` next-best
+    /// ones for retries (`ip:port,ip:port`).
+    pub fn destination(&self, alternates: usize) -> String {
+        let mut out = self.target.address.clone();
+        for a in self.alternates.iter().take(alternates) {
+            out.push(',');
+            out.push_str(a);
+        }
+        out
+    }
+}
+
 /// A VM's router.
 #[derive(Debug)]
 pub struct Router {
@@ -600,6 +613,25 @@ mod tests {
             used.insert(d.target.slot);
         }
         assert_eq!(used.len(), 4, "new content spreads: {used:?}");
+    }
+
+    #[test]
+    fn the_destination_lists_the_next_best_workers_for_retries() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 4);
+        let d = route(&mut r, &store, &body(&png(90, 90), "x"), 0, 0);
+        assert_eq!(d.destination(0), d.target.address);
+        let list = d.destination(2);
+        let parts: Vec<&str> = list.split(',').collect();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts[0], d.target.address);
+        assert_eq!(&parts[1..], &d.alternates[..2]);
+        assert!(!d.alternates.contains(&d.target.address));
+        assert_eq!(
+            d.destination(9).split(',').count(),
+            4,
+            "at most every worker once"
+        );
     }
 
     #[test]
