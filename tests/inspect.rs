@@ -168,3 +168,38 @@ fn defaults_prints_a_configuration_inspect_accepts() {
     assert!(v["scoring"]["prefill_tokens_per_sec"].is_number());
     assert!(v.get("index").is_none(), "the per-VM index is gone");
 }
+
+#[test]
+fn check_config_runs_the_filters_own_parser() {
+    let ok = run(
+        &["check-config"],
+        br#"{"workers":[{"name":"w0","address":"10.0.0.1:8000"}],"scoring":{"footprint_weight":1}}"#,
+    );
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), "ok");
+    let sidecar = run(&["check-config", "-"], br#"{"sidecar":{}}"#);
+    assert!(sidecar.status.success());
+    for (bad, field) in [
+        (
+            &br#"{"workers":[{"name":"w0","address":"vllm:8000"}]}"#[..],
+            "workers[0].address",
+        ),
+        (
+            br#"{"workers":[{"name":"w0","address":"10.0.0.1:8000"}],"scorin":{}}"#,
+            "scorin",
+        ),
+        (
+            br#"{"mode":"precise","workers":[{"name":"a","address":"1.2.3.4:5"}]}"#,
+            "mode",
+        ),
+    ] {
+        let out = run(&["check-config"], bad);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{field}: {err}");
+    }
+}

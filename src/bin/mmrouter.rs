@@ -3,15 +3,20 @@
 //! ```text
 //! mmrouter inspect [--model NAME] [--profile SPEC] [--config FILE] [FILE|-]
 //! mmrouter defaults
+//! mmrouter check-config [FILE|-]
 //! ```
 //! reads one chat-completions (or completions) body and prints one JSON object: the images
 //! with their identity, size and tokens, and the prompt's KV blocks (see `mmrouter::report`).
 //! On bad input it exits with status 1 and prints one line naming the problem.
 //! `defaults` prints the router configuration with every field at its default: the complete,
 //! current reference of the knobs (the filter's plugin configuration takes the same fields).
+//! `check-config` validates a whole plugin configuration (workers, sidecar, state, and the
+//! router fields) with the filter's own parser, exactly as `on_configure` does: it prints `ok`
+//! and exits 0, or prints the refused field and exits 1.
 
 use mmrouter::analysis::{Overrides, analyze_with};
 use mmrouter::config::RouterConfig;
+use mmrouter::filter::config::FilterConfig;
 use mmrouter::report::inspect_json;
 use mmrouter::tokens::Profile;
 use std::io::Read;
@@ -29,7 +34,9 @@ const USAGE: &str =
                    gemma3, gemma4[:BUDGET], llava, internvl, fixed:N, factor:F)
   --config FILE    router configuration JSON (block_size, profiles, limits, ...)
 
-  `mmrouter defaults` prints that configuration with every field at its default.";
+  `mmrouter defaults` prints that configuration with every field at its default.
+  `mmrouter check-config [FILE|-]` validates a filter plugin configuration (the JSON given to
+  Envoy or an Istio WasmPlugin's pluginConfig) with the filter's own parser.";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -63,6 +70,12 @@ fn run(args: &[String]) -> Result<String, Failure> {
         Some("inspect") => {}
         Some("defaults") => {
             return serde_json::to_string_pretty(&RouterConfig::default())
+                .map_err(|e| Failure::Input(e.to_string()));
+        }
+        Some("check-config") => {
+            let text = read_input(it.next().map(String::as_str))?;
+            return FilterConfig::from_json(&text)
+                .map(|_| "ok".to_string())
                 .map_err(|e| Failure::Input(e.to_string()));
         }
         Some("-h" | "--help" | "help") | None => return Err(Failure::Usage(String::new())),
@@ -101,16 +114,7 @@ fn run(args: &[String]) -> Result<String, Failure> {
         Some(spec) => Some(Profile::parse(spec).map_err(|e| Failure::Input(e.to_string()))?),
         None => None,
     };
-    let body = match input.as_deref() {
-        None | Some("-") => {
-            let mut buf = Vec::new();
-            std::io::stdin()
-                .read_to_end(&mut buf)
-                .map_err(|e| Failure::Input(format!("stdin: {e}")))?;
-            buf
-        }
-        Some(path) => std::fs::read(path).map_err(|e| Failure::Input(format!("{path}: {e}")))?,
-    };
+    let body = read_input(input.as_deref())?;
     let overrides = Overrides {
         model: model.as_deref(),
         profile: profile.as_ref(),
@@ -119,4 +123,18 @@ fn run(args: &[String]) -> Result<String, Failure> {
         analyze_with(&body, &config, overrides).map_err(|e| Failure::Input(e.to_string()))?;
     serde_json::to_string_pretty(&inspect_json(&analysis))
         .map_err(|e| Failure::Input(e.to_string()))
+}
+
+/// A file's bytes, or stdin's when `path` is None or `-`.
+fn read_input(path: Option<&str>) -> Result<Vec<u8>, Failure> {
+    match path {
+        None | Some("-") => {
+            let mut buf = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut buf)
+                .map_err(|e| Failure::Input(format!("stdin: {e}")))?;
+            Ok(buf)
+        }
+        Some(path) => std::fs::read(path).map_err(|e| Failure::Input(format!("{path}: {e}"))),
+    }
 }
