@@ -901,6 +901,14 @@ fn a_thousand_requests_with_1mib_inline_images_keep_linear_memory_bounded() {
         0
     );
     assert_eq!(host.metric_value("mmrouter.decisions_applied"), Some(1000));
+    // The VM reports its linear memory on its tick.
+    let reported: Vec<i64> = host
+        .metrics()
+        .iter()
+        .filter(|(name, _)| name.starts_with("mmrouter.vm_memory_bytes."))
+        .filter_map(|(name, _)| host.metric_value(name))
+        .collect();
+    assert_eq!(reported, vec![vm.memory_bytes() as i64]);
     eprintln!(
         "linear memory: {start} B at start, {after_100} B after 100 requests, {high} B high-water after 1000 (body {} B); every 100: {samples:?}; shared data {} B",
         base.len(),

@@ -20,6 +20,7 @@
 //! | `mmrouter.polls_ok` / `mmrouter.polls_failed` | counter | `/metrics` polls of the workers that gave vLLM metrics, and those that did not |
 //! | `mmrouter.feed_ok` / `mmrouter.feed_failed` | counter | polls of the sidecar's feed |
 //! | `mmrouter.workers_joined` / `mmrouter.workers_left` | counter | membership changes |
+//! | `mmrouter.vm_memory_bytes.<vm>` | gauge | each VM's Wasm linear memory (its high-water mark: it never shrinks), set on its tick; `<vm>` is a per-VM random id |
 
 use super::poller::Event;
 use super::router::Decision;
@@ -47,6 +48,7 @@ pub struct Metrics {
     feed_failed: Option<u32>,
     joined: Option<u32>,
     left: Option<u32>,
+    vm_memory: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -62,7 +64,8 @@ fn add(id: Option<u32>, n: u64) {
 }
 
 impl Metrics {
-    pub fn define() -> Metrics {
+    /// `vm` names this VM in the per-VM gauges.
+    pub fn define(vm: u64) -> Metrics {
         Metrics {
             requests: counter("mmrouter.requests"),
             routed: HashMap::new(),
@@ -83,6 +86,19 @@ impl Metrics {
             feed_failed: counter("mmrouter.feed_failed"),
             joined: counter("mmrouter.workers_joined"),
             left: counter("mmrouter.workers_left"),
+            vm_memory: define_metric(
+                MetricType::Gauge,
+                &format!("mmrouter.vm_memory_bytes.{:08x}", vm as u32),
+            )
+            .ok(),
+        }
+    }
+
+    /// Records this VM's linear memory.
+    pub fn vm_memory(&self) {
+        if let Some(id) = self.vm_memory {
+            let pages = core::arch::wasm32::memory_size(0) as u64;
+            let _ = record_metric(id, pages * 65536);
         }
     }
 

@@ -267,7 +267,7 @@ impl RootContext for FilterRoot {
         let shared = Shared {
             router,
             poller: Poller::new(holder),
-            metrics: Metrics::define(),
+            metrics: Metrics::define(holder),
             store,
             decision_level,
         };
@@ -289,6 +289,7 @@ impl RootContext for FilterRoot {
             .poller
             .tick(&s.router, &s.store, now_us() / 1000, &mut HostDispatcher);
         s.log_events(&events);
+        s.metrics.vm_memory();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
