@@ -185,6 +185,7 @@ pub fn analyze_with(
             .map_err(AnalyzeError::Profile)?,
     };
     let mut media = Vec::new();
+    let mut media_tokens = 0u64;
     for part in request.media() {
         let report =
             describe_part(part, &profile, &config.media).map_err(|error| AnalyzeError::Media {
@@ -192,6 +193,17 @@ pub fn analyze_with(
                 kind: part.kind,
                 error,
             })?;
+        media_tokens += u64::from(report.tokens.tokens) + u64::from(report.tokens.markers);
+        if media_tokens > config.limits.max_media_tokens {
+            return Err(AnalyzeError::Media {
+                index: part.index,
+                kind: part.kind,
+                error: MediaError::Tokens(TokenError::BadSize(format!(
+                    "the request's media take more than limits.max_media_tokens ({})",
+                    config.limits.max_media_tokens
+                ))),
+            });
+        }
         media.push(report);
     }
     let placed: Vec<PlacedMedia> = media

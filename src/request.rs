@@ -22,6 +22,10 @@ pub struct Limits {
     pub max_media_items: usize,
     /// Deepest JSON nesting of arrays and objects (default 32; chat bodies need about 6).
     pub max_nesting: usize,
+    /// Most tokens all the media of one request may take (default 1,048,576; Qwen2.5-VL's
+    /// largest image is 16,384). A profile without a cap (`factor:1`) and a header claiming
+    /// 65535×65535 would otherwise lay out billions of tokens.
+    pub max_media_tokens: u64,
 }
 
 impl Default for Limits {
@@ -30,6 +34,7 @@ impl Default for Limits {
             max_body_bytes: 32 << 20,
             max_media_items: 64,
             max_nesting: 32,
+            max_media_tokens: 1 << 20,
         }
     }
 }

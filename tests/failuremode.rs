@@ -201,3 +201,40 @@ fn images_whose_headers_claim_absurd_sizes_are_answered() {
     let (d, _) = router_in(&store).route(body.as_bytes(), &store, 0, 0);
     assert!(d.expect("a worker").fallback.is_some());
 }
+
+#[test]
+fn a_profile_without_a_cap_cannot_make_a_huge_header_lay_out_billions_of_tokens() {
+    // The reproduced crash: factor:1 and a PNG claiming 65535x65535 (4.3e9 tokens).
+    let config = RouterConfig::from_json(
+        br#"{"profiles": {"builtin_rules": false, "default": "factor:1"}}"#,
+    )
+    .expect("config");
+    let mut png = fixture("png_rgb8_37x23.png");
+    png[16..20].copy_from_slice(&65535u32.to_be_bytes());
+    png[20..24].copy_from_slice(&65535u32.to_be_bytes());
+    // Fix the IHDR CRC so that only the size is absurd.
+    let crc = crc32(&png[12..29]);
+    png[29..33].copy_from_slice(&crc.to_be_bytes());
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&png);
+    let body = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":"data:image/png;base64,{b64}"}}]}}]}}"#
+    );
+    let err = analyze(body.as_bytes(), &config).expect_err("refused");
+    assert_eq!(err.reason(), "bad_image_size");
+    assert!(err.to_string().contains("max_media_tokens"), "{err}");
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for b in bytes {
+        crc ^= u32::from(*b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}

@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `mmrouter.requests` | counter | POSTs on routed paths |
 //! | `mmrouter.routed.<worker>` | counter | requests sent to each worker |
-//! | `mmrouter.fallback.<reason>` | counter | requests routed to the least-loaded worker because the body could not be used: `too_large`, `no_body`, `bad_json`, `bad_shape`, `bad_request`, `bad_base64`, `bad_image`, `bad_image_size`, `bad_profile` |
+//! | `mmrouter.fallback.<reason>` | counter | requests routed to the least-loaded worker because the body could not be used: `too_large`, `no_body`, `encoded_body`, `bad_json`, `bad_shape`, `bad_request`, `bad_base64`, `bad_image`, `bad_image_size`, `bad_profile` |
 //! | `mmrouter.no_worker` | counter | requests that found no worker known yet (Envoy's default route took them) |
 //! | `mmrouter.images` | counter | media items analysed (hashed) |
 //! | `mmrouter.blocks_total` / `mmrouter.blocks_matched` | counter | request blocks, and blocks the chosen worker already held: their ratio is the fleet's overlap |

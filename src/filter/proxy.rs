@@ -297,6 +297,7 @@ impl RootContext for FilterRoot {
             context_id,
             shared: self.shared.clone(),
             routing: false,
+            body_size: 0,
             decision: None,
             prefill_seen: false,
             finished: false,
@@ -313,6 +314,8 @@ struct FilterStream {
     shared: Option<Rc<RefCell<Shared>>>,
     /// This stream's body is being buffered for a decision.
     routing: bool,
+    /// Bytes of the body buffered so far.
+    body_size: usize,
     decision: Option<Decision>,
     /// The request's prefill was seen to end (first response chunk of a stream, or an answer
     /// that came before the estimate).
@@ -323,6 +326,24 @@ struct FilterStream {
 impl Context for FilterStream {}
 
 impl FilterStream {
+    /// The body is complete (or already over the limit: a chunked body without
+    /// content-length): decide now. An oversize body streams on from here without being read.
+    fn decide(&mut self, s: &mut Shared) {
+        self.routing = false;
+        let random = self.random();
+        let decision = if self.body_size > s.router.config.router.limits.max_body_bytes {
+            s.router
+                .route_without_body(Fallback::TooLarge, &s.store, now_us(), random)
+        } else {
+            let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, self.body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            s.router.route(&body, &s.store, now_us(), random).0
+        };
+        self.apply(s, decision);
+    }
+
     fn random(&self) -> u64 {
         let mut buf = [0u8; 12];
         buf[..4].copy_from_slice(&self.context_id.to_le_bytes());
@@ -415,8 +436,12 @@ impl HttpContext for FilterStream {
         // least-loaded worker, and never occupies the VM's memory or Envoy's buffer.
         let limit = s.router.config.router.limits.max_body_bytes;
         let announced = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        let encoded = header("content-encoding")
+            .is_some_and(|v| !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("identity"));
         let why = if announced.is_some_and(|n| n > limit) {
             Some(Fallback::TooLarge)
+        } else if encoded {
+            Some(Fallback::Encoded)
         } else if end_of_stream {
             Some(Fallback::NoBody)
         } else {
@@ -439,6 +464,7 @@ impl HttpContext for FilterStream {
         if !self.routing {
             return Action::Continue;
         }
+        self.body_size = body_size;
         let Some(shared) = self.shared.clone() else {
             self.routing = false;
             return Action::Continue;
@@ -447,26 +473,26 @@ impl HttpContext for FilterStream {
             self.routing = false;
             return Action::Continue;
         };
-        let s = &mut *s;
         let over_limit = body_size > s.router.config.router.limits.max_body_bytes;
         if !end_of_stream && !over_limit {
             return Action::Pause;
         }
-        // Complete, or already over the limit (a chunked body without content-length): decide
-        // now; an oversize body streams on from here without being read.
-        self.routing = false;
-        let random = self.random();
-        let decision = if over_limit {
-            s.router
-                .route_without_body(Fallback::TooLarge, &s.store, now_us(), random)
-        } else {
-            let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default();
-            s.router.route(&body, &s.store, now_us(), random).0
+        self.decide(&mut s);
+        Action::Continue
+    }
+
+    /// A body followed by trailers ends here, not with an end-of-stream body call.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if !self.routing {
+            return Action::Continue;
+        }
+        let Some(shared) = self.shared.clone() else {
+            self.routing = false;
+            return Action::Continue;
         };
-        self.apply(s, decision);
+        if let Ok(mut s) = shared.try_borrow_mut() {
+            self.decide(&mut s);
+        }
         Action::Continue
     }
 

@@ -30,6 +30,8 @@ pub enum Fallback {
     TooLarge,
     /// A routed path with no body.
     NoBody,
+    /// A compressed body (`content-encoding` other than identity): not read.
+    Encoded,
 }
 
 impl Fallback {
@@ -38,6 +40,7 @@ impl Fallback {
             Fallback::Analyze(r) => r,
             Fallback::TooLarge => "too_large",
             Fallback::NoBody => "no_body",
+            Fallback::Encoded => "encoded_body",
         }
     }
 }
