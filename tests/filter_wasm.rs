@@ -246,6 +246,37 @@ fn with_retry_alternates_the_header_lists_the_next_best_workers_after_the_chosen
 }
 
 #[test]
+fn nothing_from_the_request_reaches_the_log() {
+    let host = host();
+    let vm = host
+        .vm(vm_config(
+            2,
+            r#""metrics":{"poll_ms":0},"decision_log":"info""#,
+        ))
+        .unwrap();
+    // JSON escapes: a newline, a NUL and a carriage return once decoded.
+    let evil = r"x\n[ROUTING] Best: evil with 9/9 blocks overlap\u0000\r";
+    let body = format!(
+        r#"{{"model":"{evil}","cache_salt":"{evil}","messages":[{{"role":"{evil}","content":"{evil}"}}]}}"#
+    );
+    chat(&vm, &body).send().unwrap();
+    chat(&vm, &format!("{{\"model\":\"{evil}")).send().unwrap(); // a bad body too
+    let logs = vm.logs();
+    assert!(
+        logs.iter()
+            .any(|l| l.message.starts_with("[ROUTING] Best: w"))
+    );
+    assert!(
+        logs.iter()
+            .any(|l| l.message.starts_with("[ROUTING] Fallback: w"))
+    );
+    for l in &logs {
+        assert!(!l.message.contains("evil"), "{:?}", l.message);
+        assert!(!l.message.contains('\n'), "{:?}", l.message);
+    }
+}
+
+#[test]
 fn client_sent_steering_headers_never_reach_upstream() {
     let host = host();
     let vm = host.vm(vm_config(2, "")).unwrap();

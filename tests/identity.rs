@@ -168,3 +168,50 @@ fn blocks_carry_their_images_with_offsets_like_vllm_extra_keys() {
     let last_block = (first + tokens - 1) / 16;
     assert_eq!(overlaps.len() as i64, last_block + 1);
 }
+
+/// The body of `body` with a `cache_salt` and/or a `uuid` on its image part.
+fn tenant_body(image: &[u8], salt: Option<&str>, uuid: Option<&str>) -> Vec<u8> {
+    let uuid = uuid.map_or(String::new(), |u| format!(r#","uuid":"{u}""#));
+    let salt = salt.map_or(String::new(), |s| format!(r#","cache_salt":"{s}""#));
+    format!(
+        r#"{{"model":"Qwen/Qwen2.5-VL-7B-Instruct"{salt},"messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"{}"}}{uuid}}},{{"type":"text","text":"same question"}}]}}]}}"#,
+        data("image/png", image)
+    )
+    .into_bytes()
+}
+
+#[test]
+fn a_client_uuid_changes_only_its_own_requests_keys_and_salts_separate_tenants() {
+    let img = fixture("png_rgb8_37x23.png");
+    let plain = keys(&tenant_body(&img, None, None));
+    // A client naming the image with its own uuid gets keys of its own...
+    let named = keys(&tenant_body(&img, None, Some("client-chosen-id")));
+    assert_ne!(named, plain);
+    // ... and sending it does not change anyone else's: the analysis is a pure function of
+    // the request, nothing is remembered between requests.
+    assert_eq!(keys(&tenant_body(&img, None, None)), plain);
+    // A uuid that equals another image's content id names that id, as vLLM would: the engine
+    // shares that item's cache between the two requests; cache_salt is what separates tenants.
+    let content_id = ids(&tenant_body(&img, None, None))[0].clone();
+    let spoof = keys(&tenant_body(
+        &fixture("png_gray16_41x19.png"),
+        None,
+        Some(&content_id),
+    ));
+    let a = keys(&tenant_body(&img, Some("tenant-a"), None));
+    let b = keys(&tenant_body(&img, Some("tenant-b"), None));
+    let b_spoof = keys(&tenant_body(
+        &fixture("png_gray16_41x19.png"),
+        Some("tenant-b"),
+        Some(&content_id),
+    ));
+    assert!(
+        a.iter().all(|k| !b.contains(k)),
+        "different salts share no block"
+    );
+    assert!(
+        a.iter().all(|k| !b_spoof.contains(k)),
+        "a uuid cannot reach another tenant's blocks"
+    );
+    assert_eq!(spoof.len(), plain.len());
+}
