@@ -39,6 +39,7 @@ pub mod filter;
 pub mod identity;
 pub mod image_header;
 pub mod index;
+pub mod kv_events;
 pub mod layout;
 #[cfg(feature = "proxy-host")]
 pub mod proxy_host;
