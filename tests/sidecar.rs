@@ -346,12 +346,15 @@ fn dns_label(dns: &str) -> String {
 // ---------------------------------------------------------------------------------------
 // KV events from an in-test publisher
 
+/// The batches a publisher still holds for replay: (seq, payload).
+type ReplayBuffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+
 /// A vLLM-like KV-event publisher: PUB `[topic, seq, payload]`, and a replay ROUTER that
 /// answers `[start]` with `["", topic, seq, payload]...` then `["", "", -1, ""]`.
 struct Publisher {
     rt: tokio::runtime::Runtime,
     socket: Arc<tokio::sync::Mutex<PubSocket>>,
-    buffer: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    buffer: ReplayBuffer,
     next_seq: u64,
     endpoint: String,
     replay_endpoint: String,
@@ -364,7 +367,7 @@ impl Publisher {
             .enable_all()
             .build()
             .unwrap();
-        let buffer: Arc<Mutex<Vec<(u64, Vec<u8>)>>> = Arc::default();
+        let buffer: ReplayBuffer = Arc::default();
         let (socket, endpoint, replay_endpoint) = rt.block_on(async {
             let mut p = PubSocket::new();
             let ep = p.bind("tcp://127.0.0.1:0").await.unwrap();
@@ -684,8 +687,8 @@ fn a_dropped_subscription_reconnects_and_catches_up() {
     wait_for(5.0, "seq 0", || {
         s.worker("w").filter(|w| w["events"]["seq"] == 0)
     });
-    // Point the worker at a publisher that is not there, then back: the sidecar re-joins the
-    // worker (a changed spec is a leave and a join), so instead drop the publisher's socket.
+    // The publisher's socket goes away (its connections close) and comes back on the same
+    // endpoint, as when vLLM's publisher thread restarts its socket.
     let endpoint = p.endpoint.clone();
     let socket = p.socket.clone();
     p.rt.block_on(async move {
