@@ -657,11 +657,14 @@ impl<'a> Reader<'a> {
         self.skip_after(at, h, depth)
     }
 
-    /// A string's bytes (no allocation), at most `max_string_bytes`.
+    /// A string's bytes (no allocation, so no limit but the payload's).
     fn str_bytes(&mut self, what: &'static str) -> Result<&'a [u8], KvEventError> {
         let at = self.pos;
         match self.head()? {
-            Head::Str(n) => self.str_body(at, n, what),
+            Head::Str(n) => {
+                let n = self.fits(at, n, 1)?;
+                self.take(n)
+            }
             h => Err(self.unexpected(at, what, "a string", h)),
         }
     }
@@ -919,7 +922,7 @@ impl<'a> Reader<'a> {
                 if n == 0 {
                     return Err(self.malformed(at, "an event array without its type"));
                 }
-                let tag = self.str_bytes("bytes of the event type")?;
+                let tag = self.str_bytes("event type")?;
                 let kind = kind_of(tag);
                 let positions = match kind {
                     Kind::Stored => STORED_POSITIONS,
@@ -941,7 +944,7 @@ impl<'a> Reader<'a> {
                 let kind = kind_of(tag);
                 self.pos = body;
                 for _ in 0..n {
-                    let key = self.str_bytes("bytes of an event field name")?;
+                    let key = self.str_bytes("event field name")?;
                     let which = if key == b"type" || kind == Kind::Unknown {
                         Field::Skip
                     } else {
@@ -982,18 +985,26 @@ impl<'a> Reader<'a> {
                 group_idx: f.group_idx,
             },
             Kind::Cleared => KvEvent::AllBlocksCleared { medium: f.medium },
-            Kind::Unknown => KvEvent::Unknown {
-                kind: self.owned(at, tag, "event type")?,
-            },
+            Kind::Unknown => {
+                if tag.len() > self.limits.max_string_bytes {
+                    return Err(KvEventError::Limit {
+                        what: "bytes of an event type",
+                        limit: self.limits.max_string_bytes,
+                    });
+                }
+                KvEvent::Unknown {
+                    kind: self.owned(at, tag, "event type")?,
+                }
+            }
         })
     }
 
     /// The value of the `"type"` key of an event map of `n` entries starting here.
     fn find_tag(&mut self, at: usize, n: usize) -> Result<&'a [u8], KvEventError> {
         for _ in 0..n {
-            let key = self.str_bytes("bytes of an event field name")?;
+            let key = self.str_bytes("event field name")?;
             if key == b"type" {
-                return self.str_bytes("bytes of the event type");
+                return self.str_bytes("event type");
             }
             self.skip(DEPTH_FIELD)?;
         }
@@ -1048,7 +1059,7 @@ impl<'a> Reader<'a> {
                 let n = self.fits(at, n, 2)?;
                 let (mut ts, mut events, mut dp) = (None, None, None);
                 for _ in 0..n {
-                    match self.str_bytes("bytes of an event batch key")? {
+                    match self.str_bytes("event batch key")? {
                         b"ts" => ts = Some(self.float("ts")?),
                         b"events" => events = Some(self.events()?),
                         b"data_parallel_rank" => dp = self.opt_i64("data_parallel_rank")?,
@@ -1230,7 +1241,10 @@ impl Writer {
                     + usize::from(!s.extra_keys.is_empty())
                     + usize::from(s.group_idx.is_some())
                     + usize::from(s.kv_cache_spec_kind.is_some());
-                self.map(n);
+                // msgspec sizes a struct's map header for all its fields: BlockStored has 16
+                // with the tag, so it always gets a map16 header.
+                self.out.push(0xde);
+                self.out.extend_from_slice(&(n as u16).to_be_bytes());
                 self.str("type");
                 self.str("BlockStored");
                 self.str("block_hashes");
