@@ -55,14 +55,72 @@ fn spawn_listening(program: &str, args: &[&str]) -> (Child, u16, Arc<Mutex<Vec<S
 struct Worker {
     child: Child,
     port: u16,
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Worker {
     fn start(args: &[&str]) -> Worker {
         let mut all = vec!["--port", "0", "--time-scale", "0"];
         all.extend_from_slice(args);
-        let (child, port, _) = spawn_listening(env!("CARGO_BIN_EXE_mock-worker"), &all);
-        Worker { child, port }
+        let (child, port, log) = spawn_listening(env!("CARGO_BIN_EXE_mock-worker"), &all);
+        Worker { child, port, log }
+    }
+
+    /// A mock publishing KV events on free ports, with a replay endpoint.
+    fn start_publishing(args: &[&str]) -> Worker {
+        let mut all = vec![
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0"}"#,
+        ];
+        all.extend_from_slice(args);
+        Worker::start(&all)
+    }
+
+    /// `(events, replay)` endpoints from the `kv-events on E replay R` line.
+    fn event_endpoints(&self) -> (String, String) {
+        let log = self.log.lock().unwrap();
+        let line = log
+            .iter()
+            .find_map(|l| l.split("kv-events on ").nth(1))
+            .expect("the worker printed its kv-events endpoints");
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(words.get(1), Some(&"replay"), "{line}");
+        (words[0].to_string(), words[2].to_string())
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Vec<u8>) {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let body = body.to_string();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+        let head = String::from_utf8_lossy(&raw[..split]).to_string();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, raw[split + 4..].to_vec())
+    }
+
+    /// One chat request with text and images `(data URL, uuid)`; asserts a 200.
+    fn chat(&self, text: &str, images: &[(&str, &str)]) {
+        let mut content = vec![serde_json::json!({"type": "text", "text": text})];
+        for (url, uuid) in images {
+            content.push(serde_json::json!({
+                "type": "image_url", "image_url": {"url": url}, "uuid": uuid
+            }));
+        }
+        let body = serde_json::json!({
+            "model": "Qwen/Qwen2.5-VL-7B-Instruct", "max_tokens": 2,
+            "messages": [{"role": "user", "content": content}]
+        });
+        let (status, body) = self.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     }
 
     fn addr(&self) -> String {
@@ -718,6 +776,168 @@ fn a_dropped_subscription_reconnects_and_catches_up() {
     assert_eq!(state["blocks"], 3);
     assert!(state["events"]["replayed"].as_u64().unwrap() >= 1);
     assert!(s.logs().contains("events reconnected to"), "{}", s.logs());
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
+}
+
+// ---------------------------------------------------------------------------------------
+// KV events from the real mock worker
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = 0xffff_ffffu32;
+    for &b in data {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// A PNG data URL whose header says `side`x`side` (the mock reads only the header).
+fn png_url(side: u32, seed: u8) -> String {
+    use base64::Engine as _;
+    let chunk = |out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]| {
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let c = [&kind[..], data].concat();
+        out.extend_from_slice(&c);
+        out.extend_from_slice(&crc32(&c).to_be_bytes());
+    };
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let ihdr = [
+        &side.to_be_bytes()[..],
+        &side.to_be_bytes(),
+        &[8, 2, 0, 0, 0],
+    ]
+    .concat();
+    chunk(&mut png, b"IHDR", &ihdr);
+    chunk(&mut png, b"IDAT", &[seed; 64]);
+    chunk(&mut png, b"IEND", &[]);
+    format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(png)
+    )
+}
+
+/// A workers file naming the mock `w` with its own event endpoints.
+fn mock_file(tag: &str, w: &Worker) -> PathBuf {
+    let (events, replay) = w.event_endpoints();
+    let path = temp_path(tag);
+    std::fs::write(
+        &path,
+        format!("w {} events={events} replay={replay}\n", w.addr()),
+    )
+    .unwrap();
+    path
+}
+
+/// The resident blocks the snapshot feed gives for `image` on worker 0 (0 when absent).
+fn image_blocks(s: &Sidecar, image: u64) -> u32 {
+    s.feed("since=0")
+        .images
+        .iter()
+        .find(|e| e.worker == 0 && e.image == image)
+        .map_or(0, |e| e.blocks)
+}
+
+#[test]
+fn mock_worker_image_is_resident_until_evicted() {
+    // 12 blocks of 16 tokens: the image request caches ~6 of them, and the text requests
+    // after it need the whole pool, so they evict every block of the image.
+    let w = Worker::start_publishing(&["--num-gpu-blocks", "12"]);
+    let path = mock_file("mock-evict", &w);
+    let s = Sidecar::start(&["--workers-file", path.to_str().unwrap()]);
+    wait_for(10.0, "events connected and capacity scraped", || {
+        s.worker("w")
+            .filter(|w| w["events"]["connected"] == true && w["capacity"] == 12)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let uuid = "0123456789abcdef0123456789abcdef";
+    let key = image_key(uuid);
+    let c0 = s.feed("since=0").cursor;
+    w.chat("what is in this picture?", &[(&png_url(112, 1), uuid)]);
+    let blocks = wait_for(5.0, "the image resident", || {
+        Some(image_blocks(&s, key)).filter(|b| *b > 0)
+    });
+    let delta = s.feed(&format!("since={c0}"));
+    assert!(
+        delta
+            .images
+            .iter()
+            .any(|e| e.image == key && e.blocks == blocks),
+        "the delta carries the image: {:?}",
+        delta.images
+    );
+    let state = s.worker("w").unwrap();
+    assert!(state["blocks"].as_u64().unwrap() >= u64::from(blocks));
+    assert_eq!(state["events"]["gaps"], 0, "{state}");
+    assert_eq!(state["capacity"], 12);
+
+    let c1 = delta.cursor;
+    for (i, word) in ["alpha ", "bravo ", "charlie "].iter().enumerate() {
+        w.chat(&format!("{i} {}", word.repeat(60)), &[]);
+    }
+    wait_for(5.0, "the image evicted", || {
+        (image_blocks(&s, key) == 0).then_some(())
+    });
+    let delta = s.feed(&format!("since={c1}"));
+    assert!(
+        delta.images.iter().any(|e| e.image == key && e.blocks == 0),
+        "the delta says the image is gone: {:?}",
+        delta.images
+    );
+    let fw = &delta.workers[0];
+    assert!(
+        fw.removed_total > 0 && fw.stored_total > fw.removed_total,
+        "{fw:?}"
+    );
+    assert!(fw.resident <= 12, "bounded by the pool: {fw:?}");
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
+}
+
+#[test]
+fn mock_worker_reset_prefix_cache_clears_residency() {
+    let w = Worker::start_publishing(&[]);
+    let path = mock_file("mock-reset", &w);
+    let s = Sidecar::start(&["--workers-file", path.to_str().unwrap()]);
+    wait_for(10.0, "events connected", || {
+        s.worker("w").filter(|w| w["events"]["connected"] == true)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let uuid = "ffeeddccbbaa99887766554433221100";
+    w.chat("describe", &[(&png_url(112, 2), uuid)]);
+    wait_for(5.0, "the image resident", || {
+        Some(image_blocks(&s, image_key(uuid))).filter(|b| *b > 0)
+    });
+    let (status, _) = w.post("/reset_prefix_cache", &Value::Null);
+    assert_eq!(status, 200);
+    let state = wait_for(5.0, "residency cleared", || {
+        s.worker("w").filter(|w| w["events"]["cleared_total"] == 1)
+    });
+    assert_eq!(state["blocks"], 0);
+    assert_eq!(state["images"], 0);
+    assert_eq!(image_blocks(&s, image_key(uuid)), 0);
+    assert_eq!(s.feed("since=0").workers[0].cleared_total, 1);
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
+}
+
+#[test]
+fn a_sidecar_started_after_a_mock_worker_catches_up_through_its_replay() {
+    let w = Worker::start_publishing(&[]);
+    let uuid = "00000000000000000000000000000abc";
+    w.chat("before the sidecar", &[(&png_url(112, 3), uuid)]);
+    let path = mock_file("mock-late", &w);
+    let s = Sidecar::start(&["--workers-file", path.to_str().unwrap()]);
+    let state = wait_for(10.0, "caught up", || {
+        s.worker("w")
+            .filter(|w| w["events"]["replayed"].as_u64().unwrap_or(0) > 0)
+    });
+    assert!(state["images"].as_u64().unwrap() >= 1, "{state}");
+    assert!(image_blocks(&s, image_key(uuid)) > 0);
+    assert_eq!(state["events"]["lost"], 0, "{state}");
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
 
