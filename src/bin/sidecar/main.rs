@@ -127,13 +127,13 @@ async fn run(cfg: Config) -> Result<(), String> {
         reg.epoch
     };
     log!(
-        "listening on {addr} epoch={epoch} membership=[{}] events={} scrape every {} ms",
+        "listening on {addr} epoch={epoch} membership=[{}] events: {} scrape every {} ms",
         labels.join(", "),
         if cfg.no_events {
-            "off".to_string()
+            "off;".to_string()
         } else {
             format!(
-                "port {} replay {}",
+                "default port {}, replay {};",
                 cfg.events_port,
                 cfg.replay_port
                     .map_or("off".to_string(), |p| format!("port {p}"))
