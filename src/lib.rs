@@ -12,6 +12,7 @@
 //! 7. [`scoring`]: weigh that against each worker's load and choose; [`worker_metrics`] reads
 //!    the engine's own load (vLLM's `/metrics`) for it.
 //!
+//! [`feed`] is the binary answer of the sidecar (`mmrouter-sidecar`) that the filter polls.
 //! [`analysis`] runs steps 1-5 for one body, [`report`] turns that into the `inspect` JSON;
 //! [`config`] is the router's configuration.
 //! None of these do I/O, so the same code runs natively, in Envoy, in a browser and in any
@@ -37,6 +38,7 @@ pub mod feed;
 pub mod filter;
 pub mod identity;
 pub mod image_header;
+pub mod kv_events;
 pub mod layout;
 #[cfg(feature = "proxy-host")]
 pub mod proxy_host;

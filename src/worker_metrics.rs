@@ -12,6 +12,19 @@
 //! (`vllm:gpu_cache_usage_perc`, the name before vLLM 0.10, is read when the new one is absent.)
 //! The parser is a line scanner: comments and other metrics are skipped, label values may hold
 //! any character, and a value that is not a finite number is ignored.
+//!
+//! [`parse_vllm_scrape`] reads more for the sidecar (`mmrouter-sidecar`), all summed over
+//! series:
+//!
+//! | metric | what for |
+//! |---|---|
+//! | `vllm:cache_config_info{num_gpu_blocks, block_size}` (labels of an info gauge) | the worker's KV capacity in blocks and its block size |
+//! | `vllm:prompt_tokens_total` | prompt tokens prefilled or hit in the cache |
+//! | `vllm:prefix_cache_hits_total` | prompt tokens served from the prefix cache |
+//! | `vllm:request_prefill_time_seconds_sum` | total time requests spent in prefill |
+//!
+//! and [`PrefillSpeed`] turns successive scrapes of the last three into the worker's observed
+//! prefill speed.
 
 use std::fmt;
 
@@ -44,16 +57,38 @@ impl std::error::Error for MetricsError {}
 
 /// Reads a worker's load from its `/metrics` text.
 pub fn parse_vllm_metrics(text: &str) -> Result<WorkerMetrics, MetricsError> {
+    parse_vllm_scrape(text).map(|s| s.load)
+}
+
+/// Everything the sidecar reads from one `/metrics` scrape.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineScrape {
+    pub load: WorkerMetrics,
+    /// `num_gpu_blocks` of `vllm:cache_config_info`, summed over engines.
+    pub num_gpu_blocks: Option<u64>,
+    /// `block_size` of `vllm:cache_config_info` (the first series that has one).
+    pub block_size: Option<u32>,
+    /// The counters behind the prefill speed (absent when the worker does not export all three).
+    pub prefill: Option<PrefillCounters>,
+}
+
+/// Reads load, cache configuration and prefill counters from a worker's `/metrics` text.
+pub fn parse_vllm_scrape(text: &str) -> Result<EngineScrape, MetricsError> {
     let mut waiting = None::<f64>;
     let mut running = None::<f64>;
     let (mut kv_sum, mut kv_n) = (0.0f64, 0u32);
     let (mut old_kv_sum, mut old_kv_n) = (0.0f64, 0u32);
+    let mut num_gpu_blocks = None::<u64>;
+    let mut block_size = None::<u32>;
+    let mut prompt_tokens = None::<f64>;
+    let mut hit_tokens = None::<f64>;
+    let mut prefill_seconds = None::<f64>;
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let Some((name, value)) = sample(line) else {
+        let Some((name, labels, value)) = sample(line) else {
             continue;
         };
         match name {
@@ -67,6 +102,21 @@ pub fn parse_vllm_metrics(text: &str) -> Result<WorkerMetrics, MetricsError> {
                 old_kv_sum += value;
                 old_kv_n += 1;
             }
+            "vllm:cache_config_info" => {
+                // vLLM writes `str()` of each field: "27264", or "None" before profiling.
+                if let Some(n) =
+                    label_value(labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok())
+                {
+                    let total = num_gpu_blocks.get_or_insert(0);
+                    *total = total.saturating_add(n);
+                }
+                if block_size.is_none() {
+                    block_size = label_value(labels, "block_size").and_then(|v| v.parse().ok());
+                }
+            }
+            "vllm:prompt_tokens_total" => *prompt_tokens.get_or_insert(0.0) += value,
+            "vllm:prefix_cache_hits_total" => *hit_tokens.get_or_insert(0.0) += value,
+            "vllm:request_prefill_time_seconds_sum" => *prefill_seconds.get_or_insert(0.0) += value,
             _ => {}
         }
     }
@@ -80,119 +130,141 @@ pub fn parse_vllm_metrics(text: &str) -> Result<WorkerMetrics, MetricsError> {
     if waiting.is_none() && running.is_none() && kv_usage.is_none() {
         return Err(MetricsError::NoVllmMetrics);
     }
-    Ok(WorkerMetrics {
-        waiting: waiting.unwrap_or(0.0).max(0.0),
-        running: running.unwrap_or(0.0).max(0.0),
-        kv_usage: kv_usage.unwrap_or(0.0).clamp(0.0, 1.0),
+    let prefill = match (prompt_tokens, hit_tokens, prefill_seconds) {
+        (Some(prompt_tokens), Some(hit_tokens), Some(prefill_seconds)) => Some(PrefillCounters {
+            prompt_tokens,
+            hit_tokens,
+            prefill_seconds,
+        }),
+        _ => None,
+    };
+    Ok(EngineScrape {
+        load: WorkerMetrics {
+            waiting: waiting.unwrap_or(0.0).max(0.0),
+            running: running.unwrap_or(0.0).max(0.0),
+            kv_usage: kv_usage.unwrap_or(0.0).clamp(0.0, 1.0),
+        },
+        num_gpu_blocks,
+        block_size,
+        prefill,
     })
 }
 
-/// Everything the router reads from one scrape: the load, the KV capacity, and the totals the
-/// prefill speed is derived from.
+/// The monotonic counters of one scrape that the prefill speed is derived from.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct EngineStats {
-    pub load: WorkerMetrics,
-    /// `vllm:cache_config_info{num_gpu_blocks=..}` (summed over engines).
-    pub num_gpu_blocks: Option<u64>,
-    /// `vllm:cache_config_info{block_size=..}`.
-    pub block_size: Option<u32>,
-    /// `vllm:prompt_tokens_total − vllm:prefix_cache_hits_total`: prompt tokens the engine
-    /// actually prefilled.
-    pub uncached_prompt_tokens: Option<f64>,
+pub struct PrefillCounters {
+    /// `vllm:prompt_tokens_total`.
+    pub prompt_tokens: f64,
+    /// `vllm:prefix_cache_hits_total`.
+    pub hit_tokens: f64,
     /// `vllm:request_prefill_time_seconds_sum`.
-    pub prefill_seconds: Option<f64>,
+    pub prefill_seconds: f64,
 }
 
-/// Reads [`EngineStats`] from a worker's `/metrics` text. The load part must be there (as for
-/// [`parse_vllm_metrics`]); the rest is optional.
-pub fn parse_engine_stats(text: &str) -> Result<EngineStats, MetricsError> {
-    let load = parse_vllm_metrics(text)?;
-    let mut stats = EngineStats {
-        load,
-        ..EngineStats::default()
-    };
-    let (mut prompt, mut hits) = (None::<f64>, None::<f64>);
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let Some((name, value)) = sample(line) else {
-            continue;
-        };
-        match name {
-            "vllm:cache_config_info" => {
-                if let Some(n) = label(line, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok()) {
-                    *stats.num_gpu_blocks.get_or_insert(0) += n;
-                }
-                if let Some(b) = label(line, "block_size").and_then(|v| v.parse::<u32>().ok()) {
-                    stats.block_size = Some(b);
-                }
-            }
-            "vllm:prompt_tokens_total" => *prompt.get_or_insert(0.0) += value,
-            "vllm:prefix_cache_hits_total" => *hits.get_or_insert(0.0) += value,
-            "vllm:request_prefill_time_seconds_sum" => {
-                *stats.prefill_seconds.get_or_insert(0.0) += value;
-            }
-            _ => {}
-        }
+/// A worker's observed prefill speed: uncached prompt tokens per second of prefill,
+///
+/// `d(prompt_tokens_total - prefix_cache_hits_total) / d(request_prefill_time_seconds_sum)`
+///
+/// between successive scrapes, smoothed as a ratio of exponentially decayed sums: each scrape
+/// that shows new prefill time adds its token and time deltas to the sums after decaying them
+/// by `0.5^(t / HALF_LIFE_MS)`, `t` being the time since the previous scrape that showed some.
+/// So a request weighs by its prefill time, the estimate follows a change of speed within a
+/// few half-lives of busy time, and an idle worker keeps its last estimate. A counter that
+/// goes backwards (the engine restarted) starts the deltas over without forgetting the sums.
+///
+/// vLLM counts prompt tokens when a request is scheduled and observes its prefill time when
+/// it finishes, so single deltas are noisy; the decayed sums spread that over several scrapes.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillSpeed {
+    last: Option<PrefillCounters>,
+    /// ms since the last scrape that showed new prefill time.
+    since_data_ms: f64,
+    tokens: f64,
+    seconds: f64,
+}
+
+impl PrefillSpeed {
+    /// Half-life of the smoothing, in ms of wall time between scrapes with new prefill time.
+    pub const HALF_LIFE_MS: f64 = 5_000.0;
+
+    pub fn new() -> PrefillSpeed {
+        PrefillSpeed::default()
     }
-    stats.uncached_prompt_tokens = prompt.map(|p| (p - hits.unwrap_or(0.0)).max(0.0));
-    Ok(stats)
+
+    /// Feeds one scrape's counters, `elapsed_ms` after the previous one.
+    pub fn observe(&mut self, c: PrefillCounters, elapsed_ms: f64) {
+        let last = self.last.replace(c);
+        if elapsed_ms.is_finite() && elapsed_ms > 0.0 {
+            self.since_data_ms += elapsed_ms;
+        }
+        let Some(last) = last else { return };
+        let d_prompt = c.prompt_tokens - last.prompt_tokens;
+        let d_hits = c.hit_tokens - last.hit_tokens;
+        let d_secs = c.prefill_seconds - last.prefill_seconds;
+        if d_prompt < 0.0 || d_hits < 0.0 || d_secs < 0.0 {
+            return; // a counter reset: this scrape is the new baseline
+        }
+        if d_secs <= 0.0 || !d_secs.is_finite() {
+            return;
+        }
+        let w = 0.5f64.powf(self.since_data_ms / Self::HALF_LIFE_MS);
+        self.tokens = self.tokens * w + (d_prompt - d_hits).max(0.0);
+        self.seconds = self.seconds * w + d_secs;
+        self.since_data_ms = 0.0;
+    }
+
+    /// Tokens per second, or `None` before two scrapes showed prefill time.
+    pub fn tokens_per_sec(&self) -> Option<f64> {
+        (self.seconds > 0.0)
+            .then(|| self.tokens / self.seconds)
+            .filter(|v| v.is_finite())
+    }
 }
 
-/// Prefill speed between two scrapes, in uncached prompt tokens per second: tokens prefilled
-/// over prefill seconds spent in between. None when too little prefill happened (under 10 ms)
-/// or the totals went backwards (an engine restart).
-pub fn prefill_tps(
-    (tokens_before, seconds_before): (f64, f64),
-    (tokens_now, seconds_now): (f64, f64),
-) -> Option<f64> {
-    let tokens = tokens_now - tokens_before;
-    let seconds = seconds_now - seconds_before;
-    (seconds >= 0.01 && tokens > 0.0 && tokens.is_finite()).then(|| tokens / seconds)
-}
-
-/// The value of label `name` in a sample line (`name{a="1",b="2"} v`), unescaped lazily (the
-/// values read here are numbers).
-fn label<'a>(line: &'a str, name: &str) -> Option<&'a str> {
-    let open = line.find('{')?;
-    let labels = line.get(open + 1..)?;
-    let mut rest = labels;
+/// The value of label `key` in a label set `{a="x",b="y"}` (unescaped).
+fn label_value(labels: &str, key: &str) -> Option<String> {
+    let inner = labels.strip_prefix('{')?;
+    let mut rest = inner;
     loop {
+        rest = rest.trim_start_matches([',', ' ']);
         let eq = rest.find('=')?;
-        let key = rest.get(..eq)?.trim().trim_start_matches(',').trim();
-        let after = rest.get(eq + 1..)?.strip_prefix('"')?;
-        let mut end = None;
+        let name = rest.get(..eq)?.trim();
+        rest = rest.get(eq + 1..)?.trim_start().strip_prefix('"')?;
+        let mut value = String::new();
         let mut escaped = false;
-        for (i, c) in after.char_indices() {
+        let mut end = None;
+        for (i, c) in rest.char_indices() {
             if escaped {
+                value.push(match c {
+                    'n' => '\n',
+                    c => c,
+                });
                 escaped = false;
             } else if c == '\\' {
                 escaped = true;
             } else if c == '"' {
                 end = Some(i);
                 break;
+            } else {
+                value.push(c);
             }
         }
-        let end = end?;
-        if key == name {
-            return after.get(..end);
-        }
-        rest = after.get(end + 1..)?;
-        if rest.trim_start().starts_with('}') {
-            return None;
+        rest = rest.get(end? + 1..)?;
+        if name == key {
+            return Some(value);
         }
     }
 }
 
-/// Splits `name{labels} value [timestamp]` into name and a finite value.
-fn sample(line: &str) -> Option<(&str, f64)> {
+/// Splits `name{labels} value [timestamp]` into name, label set (`{...}` or empty) and a
+/// finite value.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
     let name_end = line
         .find(|c: char| c == '{' || c.is_ascii_whitespace())
         .unwrap_or(line.len());
     let name = line.get(..name_end)?;
     let mut rest = line.get(name_end..)?;
+    let mut labels = "";
     if rest.starts_with('{') {
         // Skip the label set, honouring quoted values with escapes.
         let mut in_quotes = false;
@@ -214,10 +286,12 @@ fn sample(line: &str) -> Option<(&str, f64)> {
                 break;
             }
         }
-        rest = rest.get(end? + 1..)?;
+        let end = end?;
+        labels = rest.get(..=end)?;
+        rest = rest.get(end + 1..)?;
     }
     let value: f64 = rest.split_ascii_whitespace().next()?.parse().ok()?;
-    value.is_finite().then_some((name, value))
+    value.is_finite().then_some((name, labels, value))
 }
 
 #[cfg(test)]
@@ -250,31 +324,6 @@ vllm:prefix_cache_hits_total{engine="0",model_name="x"} 1.2e4
     }
 
     #[test]
-    fn reads_capacity_and_prefill_totals() {
-        let text = format!(
-            "{VLLM}vllm:cache_config_info{{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"4096\"}} 1.0\n\
-             vllm:prompt_tokens_total{{engine=\"0\"}} 5.0e4\n\
-             vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} 4.5\n"
-        );
-        let s = parse_engine_stats(&text).expect("parses");
-        assert_eq!(s.num_gpu_blocks, Some(4096));
-        assert_eq!(s.block_size, Some(16));
-        assert_eq!(s.uncached_prompt_tokens, Some(5.0e4 - 1.2e4));
-        assert_eq!(s.prefill_seconds, Some(4.5));
-        assert_eq!(s.load.waiting, 5.0);
-        let bare = parse_engine_stats("vllm:num_requests_running 1\n").expect("parses");
-        assert_eq!(bare.num_gpu_blocks, None);
-        assert_eq!(bare.uncached_prompt_tokens, None);
-        assert_eq!(prefill_tps((1000.0, 1.0), (9000.0, 2.0)), Some(8000.0));
-        assert_eq!(
-            prefill_tps((1000.0, 1.0), (1000.0, 1.0)),
-            None,
-            "no prefill"
-        );
-        assert_eq!(prefill_tps((9000.0, 2.0), (10.0, 0.1)), None, "restarted");
-    }
-
-    #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert_eq!(
             parse_vllm_metrics("<html>502 Bad Gateway</html>"),
@@ -284,5 +333,100 @@ vllm:prefix_cache_hits_total{engine="0",model_name="x"} 1.2e4
         let weird = "vllm:num_requests_waiting{a=\"unterminated 4\nvllm:num_requests_waiting NaN\nvllm:num_requests_running{} +Inf\nvllm:num_requests_running 2";
         let m = parse_vllm_metrics(weird).expect("the one good sample");
         assert_eq!((m.waiting, m.running), (0.0, 2.0));
+    }
+
+    #[test]
+    fn reads_cache_config_and_prefill_counters() {
+        let text = format!(
+            "{VLLM}# TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"27264\",prefix_caching_hash_algo=\"sha256\"}} 1.0\n\
+             vllm:cache_config_info{{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"100\"}} 1.0\n\
+             vllm:prompt_tokens_total{{engine=\"0\",model_name=\"x\"}} 5.0e4\n\
+             vllm:request_prefill_time_seconds_bucket{{engine=\"0\",le=\"0.3\",model_name=\"x\"}} 4.0\n\
+             vllm:request_prefill_time_seconds_sum{{engine=\"0\",model_name=\"x\"}} 2.5\n\
+             vllm:request_prefill_time_seconds_sum{{engine=\"1\",model_name=\"x\"}} 0.5\n"
+        );
+        let s = parse_vllm_scrape(&text).expect("parses");
+        assert_eq!(s.load, parse_vllm_metrics(&text).unwrap());
+        assert_eq!(s.num_gpu_blocks, Some(27364));
+        assert_eq!(s.block_size, Some(16));
+        assert_eq!(
+            s.prefill,
+            Some(PrefillCounters {
+                prompt_tokens: 5.0e4,
+                hit_tokens: 1.2e4,
+                prefill_seconds: 3.0
+            })
+        );
+    }
+
+    #[test]
+    fn cache_config_before_profiling_and_missing_counters() {
+        let text = "vllm:num_requests_running 1\n\
+                    vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"None\"} 1.0\n\
+                    vllm:prompt_tokens_total 10\n";
+        let s = parse_vllm_scrape(text).unwrap();
+        assert_eq!((s.num_gpu_blocks, s.block_size), (None, Some(32)));
+        assert_eq!(s.prefill, None, "no prefill time series: no counters");
+    }
+
+    #[test]
+    fn label_values_unescape_and_match_whole_names() {
+        let l = r#"{xnum_gpu_blocks="1",a="q\"uo}te,b=\"2\"",num_gpu_blocks="7"}"#;
+        assert_eq!(label_value(l, "num_gpu_blocks").as_deref(), Some("7"));
+        assert_eq!(label_value(l, "a").as_deref(), Some("q\"uo}te,b=\"2\""));
+        assert_eq!(label_value(l, "b"), None);
+        assert_eq!(label_value("{a=\"unterminated", "a"), None);
+        assert_eq!(label_value("", "a"), None);
+    }
+
+    fn counters(prompt: f64, hits: f64, secs: f64) -> PrefillCounters {
+        PrefillCounters {
+            prompt_tokens: prompt,
+            hit_tokens: hits,
+            prefill_seconds: secs,
+        }
+    }
+
+    #[test]
+    fn prefill_speed_is_uncached_tokens_over_prefill_time() {
+        let mut p = PrefillSpeed::new();
+        assert_eq!(p.tokens_per_sec(), None);
+        p.observe(counters(1000.0, 0.0, 1.0), 0.0);
+        assert_eq!(p.tokens_per_sec(), None, "one scrape has no delta");
+        // 4000 prompt tokens of which 1000 hit the cache, in 0.5 s of prefill.
+        p.observe(counters(5000.0, 1000.0, 1.5), 100.0);
+        assert_eq!(p.tokens_per_sec(), Some(6000.0));
+        // Idle scrapes (no new prefill time) keep the estimate.
+        for _ in 0..100 {
+            p.observe(counters(5000.0, 1000.0, 1.5), 100.0);
+        }
+        assert_eq!(p.tokens_per_sec(), Some(6000.0));
+    }
+
+    #[test]
+    fn prefill_speed_follows_a_change_and_survives_a_reset() {
+        let mut p = PrefillSpeed::new();
+        let (mut prompt, mut secs) = (0.0, 0.0);
+        p.observe(counters(prompt, 0.0, secs), 0.0);
+        for _ in 0..10 {
+            prompt += 1000.0;
+            secs += 1.0;
+            p.observe(counters(prompt, 0.0, secs), 1000.0);
+        }
+        assert!((p.tokens_per_sec().unwrap() - 1000.0).abs() < 1e-6);
+        // Twice as fast for 30 s: within 1% of the new speed (six half-lives).
+        for _ in 0..30 {
+            prompt += 2000.0;
+            secs += 1.0;
+            p.observe(counters(prompt, 0.0, secs), 1000.0);
+        }
+        let v = p.tokens_per_sec().unwrap();
+        assert!(v > 1980.0 && v <= 2000.0, "{v}");
+        // The engine restarted: counters fall to small values; no negative delta is used.
+        p.observe(counters(10.0, 0.0, 0.01), 1000.0);
+        assert_eq!(p.tokens_per_sec(), Some(v));
+        p.observe(counters(10.0 + 2000.0, 0.0, 1.01), 1000.0);
+        assert!(p.tokens_per_sec().unwrap() > 1980.0);
     }
 }

@@ -14,7 +14,7 @@ use crate::state::lease::try_lease;
 use crate::state::writer::{
     drain, read_live, read_members, record_poll, sync_members, update_live,
 };
-use crate::worker_metrics::parse_engine_stats;
+use crate::worker_metrics::parse_vllm_scrape;
 use std::collections::HashMap;
 
 /// Sends the poller's HTTP GETs.
@@ -282,7 +282,7 @@ impl Poller {
                         None,
                         Some("no response (connection failed or timed out)".into()),
                     ),
-                    (Some(200), Some(b)) => match parse_engine_stats(&String::from_utf8_lossy(b)) {
+                    (Some(200), Some(b)) => match parse_vllm_scrape(&String::from_utf8_lossy(b)) {
                         Ok(s) => (Some(s), None),
                         Err(e) => (None, Some(e.to_string())),
                     },

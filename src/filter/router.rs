@@ -195,12 +195,19 @@ impl Router {
         let loads = self.load.read(store, live.slots.len());
         let now_ms = now_us / 1000;
         let half_life = self.config.router.scoring.footprint_half_life_ms;
+        let fresh_for = self.metrics_fresh_for_ms();
         let candidates: Vec<Candidate> = eligible
             .iter()
             .map(|&s| {
                 let l = live.get(s).copied().unwrap_or_default();
                 let load = loads.get(s).copied().unwrap_or_default();
-                candidate(&l, &load, prefix.depth(s), now_us, now_ms, half_life)
+                let mut c = candidate(&l, &load, prefix.depth(s), now_us, now_ms, half_life);
+                if now_ms.saturating_sub(l.metrics_ms) > fresh_for {
+                    // Stale engine metrics say nothing about now.
+                    c.waiting = None;
+                    c.running = None;
+                }
+                c
             })
             .collect();
         let block_size = analysis.layout.block_size.max(1);
@@ -336,6 +343,16 @@ impl Router {
         }
     }
 
+    /// How long engine metrics count: three poll periods of whichever source fills them,
+    /// and at least a second.
+    fn metrics_fresh_for_ms(&self) -> u64 {
+        let mut period = self.config.metrics.poll_ms;
+        if let Some(sc) = &self.config.sidecar {
+            period = period.max(sc.poll_ms);
+        }
+        period.saturating_mul(3).max(1000)
+    }
+
     fn target(&self, slot: usize) -> Option<Target> {
         let m = self.members.slots.get(slot)?;
         m.active.then(|| Target {
@@ -457,7 +474,7 @@ mod tests {
     use super::*;
     use crate::state::MemoryStore;
     use crate::state::writer::{drain, record_poll, sync_members};
-    use crate::worker_metrics::{EngineStats, WorkerMetrics};
+    use crate::worker_metrics::{EngineScrape, WorkerMetrics};
     use base64::Engine as _;
 
     fn config(workers: usize) -> FilterConfig {
@@ -685,9 +702,9 @@ mod tests {
     fn failing_workers_are_skipped_and_come_back_with_their_cache() {
         let store = MemoryStore::default();
         let mut r = router(&store, 2);
-        let idle = EngineStats {
+        let idle = EngineScrape {
             load: WorkerMetrics::default(),
-            ..EngineStats::default()
+            ..EngineScrape::default()
         };
         let b = body(&png(300, 300), "again");
         let first = route(&mut r, &store, &b, 2000, 5);

@@ -12,7 +12,7 @@ use super::images::ImageBucket;
 use super::load::LoadTable;
 use super::workers::{Live, LiveTable, MAX_SLOTS, Member, Members, flag};
 use super::{Keys, SharedStore, StateConfig, cas_update};
-use crate::worker_metrics::{EngineStats, prefill_tps};
+use crate::worker_metrics::EngineScrape;
 use std::collections::BTreeMap;
 
 /// Reads the membership table.
@@ -275,7 +275,7 @@ pub fn record_poll(
     router_block_size: usize,
     unhealthy_after: u32,
     slot: usize,
-    polled: Option<EngineStats>,
+    polled: Option<EngineScrape>,
     now_ms: u64,
 ) -> bool {
     let mut engine_count = None;
@@ -311,8 +311,9 @@ pub fn record_poll(
                     l.capacity = (blocks.saturating_mul(engine_bs) / router_bs)
                         .clamp(1, u64::from(u32::MAX)) as u32;
                 }
-                if let (Some(tokens), Some(seconds)) = (s.uncached_prompt_tokens, s.prefill_seconds)
-                {
+                if let Some(c) = s.prefill {
+                    let tokens = (c.prompt_tokens - c.hit_tokens).max(0.0);
+                    let seconds = c.prefill_seconds;
                     let restarted = l.tokens_total >= 0.0 && tokens < l.tokens_total;
                     if restarted && l.flags & flag::EVENTS == 0 {
                         l.clock = l.clock.wrapping_add(u64::from(l.capacity) + 1);
@@ -345,6 +346,18 @@ pub fn record_poll(
         LoadTable::new(keys.load()).cap_inflight(store, slot, count);
     }
     polled.is_some()
+}
+
+/// Prefill speed between two scrapes, in uncached prompt tokens per second: tokens prefilled
+/// over prefill seconds spent in between. None when too little prefill happened (under 10 ms)
+/// or the totals went backwards (an engine restart).
+fn prefill_tps(
+    (tokens_before, seconds_before): (f64, f64),
+    (tokens_now, seconds_now): (f64, f64),
+) -> Option<f64> {
+    let tokens = tokens_now - tokens_before;
+    let seconds = seconds_now - seconds_before;
+    (seconds >= 0.01 && tokens > 0.0 && tokens.is_finite()).then(|| tokens / seconds)
 }
 
 /// Requests the engine reports (running + waiting).
@@ -528,7 +541,7 @@ mod tests {
     #[test]
     fn polls_set_capacity_speed_health_and_reconcile_leaked_counts() {
         let (store, keys, _config) = setup(1);
-        let stats = |tokens: f64, seconds: f64, running: f64| EngineStats {
+        let stats = |tokens: f64, seconds: f64, running: f64| EngineScrape {
             load: crate::worker_metrics::WorkerMetrics {
                 waiting: 0.0,
                 running,
@@ -536,8 +549,11 @@ mod tests {
             },
             num_gpu_blocks: Some(1024),
             block_size: Some(32),
-            uncached_prompt_tokens: Some(tokens),
-            prefill_seconds: Some(seconds),
+            prefill: Some(crate::worker_metrics::PrefillCounters {
+                prompt_tokens: tokens + 100.0,
+                hit_tokens: 100.0,
+                prefill_seconds: seconds,
+            }),
         };
         assert!(record_poll(
             &store,

@@ -1,5 +1,6 @@
 //! Command line: hand-rolled `--flag value` / `--flag=value` parsing.
 
+use crate::kv_publisher::KvEventsConfig;
 use std::fmt;
 
 /// Everything the worker can be told, with its default.
@@ -34,6 +35,8 @@ pub struct Config {
     pub mm_cache_items: usize,
     /// `--default-max-tokens`, default 16 output tokens when the request sets none.
     pub default_max_tokens: u32,
+    /// `--kv-events-config JSON`, vLLM's flag: publish KV events over ZMQ. Default: none.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Default for Config {
@@ -53,6 +56,7 @@ impl Default for Config {
             time_scale: 1.0,
             mm_cache_items: 1024,
             default_max_tokens: 16,
+            kv_events: None,
         }
     }
 }
@@ -77,10 +81,14 @@ OPTIONS (defaults in brackets):
   --mm-cache-items N             images remembered by the mm cache [1024]
   --default-max-tokens N         output tokens when the request sets no max_tokens [16]
   --time-scale X                 multiplies every emulated duration; 0 = never sleep [1]
+  --kv-events-config JSON        publish KV events over ZMQ as vLLM does, e.g.
+                                 '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",
+                                 \"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}'
+                                 (tcp://*:0 = a free port on --host) [off]
   -h, --help                     this text
 
 ENDPOINTS: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Image URLs: data:...;base64 and http:// (fetched, 5 s timeout); https:// is
+GET /metrics, POST /reset_prefix_cache. Image URLs: data:...;base64 and http:// (fetched, 5 s timeout); https:// is
 refused (the mock has no TLS). See docs/MOCK_WORKER.md.
 ";
 
@@ -151,6 +159,7 @@ const FLAGS: &[&str] = &[
     "--time-scale",
     "--mm-cache-items",
     "--default-max-tokens",
+    "--kv-events-config",
 ];
 
 /// Parses the arguments after the program name.
@@ -193,6 +202,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, Cl
             "--time-scale" => c.time_scale = non_negative(&flag, v)?,
             "--mm-cache-items" => c.mm_cache_items = num(&flag, v)?,
             "--default-max-tokens" => c.default_max_tokens = at_least_one(&flag, v)?,
+            "--kv-events-config" => c.kv_events = Some(KvEventsConfig::parse(v).map_err(CliError)?),
             _ => return Err(CliError(format!("unknown option `{flag}`"))),
         }
     }
@@ -220,6 +230,17 @@ mod tests {
         assert_eq!(c.time_scale, 0.0);
         assert_eq!(c.block_size, 16);
         assert_eq!(parse_args(args("--help")), Ok(Command::Help));
+        let Ok(Command::Run(c)) = parse_args(vec![
+            "--kv-events-config".to_string(),
+            r#"{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:0"}"#.to_string(),
+        ]) else {
+            panic!("parse failed")
+        };
+        let kv = c.kv_events.unwrap();
+        assert!(kv.publishes());
+        assert_eq!(kv.endpoint, "tcp://*:5557");
+        assert_eq!(kv.replay_endpoint.as_deref(), Some("tcp://*:0"));
+        assert!(parse_args(args("--kv-events-config {")).is_err());
     }
 
     #[test]

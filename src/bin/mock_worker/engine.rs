@@ -24,8 +24,11 @@
 //! Blocks are cached once computed: the prompt's full blocks at the end of prefill, the full
 //! blocks of prompt + output at the end (as vLLM caches generated blocks too).
 
+use crate::metrics::Histogram;
+#[cfg(test)]
+use crate::prefix_cache::NoEvents;
 use crate::prefix_cache::{
-    BlockId, BlockPool, HashedBlock, MmRange, NoEvents, hash_request_blocks,
+    BlockId, BlockPool, HashedBlock, KvEventSink, MmRange, hash_request_blocks,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
@@ -101,6 +104,9 @@ pub struct Stats {
     /// Requests that left before finishing (client gone).
     pub aborted: u64,
     pub encoder_runs: u64,
+    /// Admission to first token, per request (vLLM's `request_prefill_time_seconds`:
+    /// `first_token_ts - scheduled_ts`), wall-clock seconds.
+    pub prefill_time: Histogram,
 }
 
 /// A consistent view for `/metrics`.
@@ -199,6 +205,8 @@ pub struct Ticket {
     pub encoder_images: usize,
     /// Time spent in the waiting queue.
     pub queued: Duration,
+    /// When it was admitted (vLLM's `scheduled_ts`).
+    admitted: Instant,
     finished: bool,
 }
 
@@ -211,8 +219,15 @@ struct Admitted {
 }
 
 impl Engine {
+    /// An engine that reports no KV events.
+    #[cfg(test)]
     pub fn new(cfg: EngineConfig) -> Arc<Engine> {
-        let pool = BlockPool::new(cfg.num_gpu_blocks, cfg.block_size, Box::new(NoEvents));
+        Engine::with_events(cfg, Box::new(NoEvents))
+    }
+
+    /// An engine whose block pool reports cache changes to `events`.
+    pub fn with_events(cfg: EngineConfig, events: Box<dyn KvEventSink>) -> Arc<Engine> {
+        let pool = BlockPool::new(cfg.num_gpu_blocks, cfg.block_size, events);
         let mm_cache = MmCache::new(cfg.mm_cache_items);
         Arc::new(Engine {
             state: Mutex::new(State {
@@ -283,6 +298,11 @@ impl Engine {
             cached_blocks: st.pool.num_cached(),
             image_fetches: self.image_fetches.load(Ordering::Relaxed),
         }
+    }
+
+    /// vLLM's `/reset_prefix_cache`: false while running requests hold blocks.
+    pub fn reset_prefix_cache(&self) -> bool {
+        self.lock().pool.reset_prefix_cache()
     }
 
     /// Queues `job` and waits for admission.
@@ -378,6 +398,7 @@ impl Engine {
             let ticket = Ticket {
                 engine: self.clone(),
                 queued: a.waiter.arrived.elapsed(),
+                admitted: Instant::now(),
                 job: a.waiter.job,
                 blocks: a.blocks,
                 cached_tokens: a.cached_tokens,
@@ -445,6 +466,9 @@ impl Ticket {
         st.pool.cache_blocks(ids, &self.job.blocks);
         st.stats.prompt_tokens += self.job.tokens.len() as u64;
         st.stats.generation_tokens += 1;
+        st.stats
+            .prefill_time
+            .observe(self.admitted.elapsed().as_secs_f64());
     }
 
     /// Waits one decode step and counts the token.

@@ -228,12 +228,28 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<MockBo
             let body = read_body(req).await?;
             generate(app, body, ApiKind::Completion).await
         }
-        (_, "/health" | "/v1/models" | "/metrics" | "/v1/chat/completions" | "/v1/completions") => {
+        // vLLM serves it with VLLM_SERVER_DEV_MODE=1 (`vllm/entrypoints/serve/dev/cache`);
+        // the query options (reset_running_requests, reset_external) are not emulated.
+        (Method::POST, "/reset_prefix_cache") => {
+            let success = app.engine.reset_prefix_cache();
+            eprintln!("[{}] /reset_prefix_cache success={success}", app.name);
             Ok(json_response(
-                StatusCode::METHOD_NOT_ALLOWED,
-                &json!({"detail": "Method Not Allowed"}),
+                StatusCode::OK,
+                &json!({ "success": success }),
             ))
         }
+        (
+            _,
+            "/health"
+            | "/v1/models"
+            | "/metrics"
+            | "/v1/chat/completions"
+            | "/v1/completions"
+            | "/reset_prefix_cache",
+        ) => Ok(json_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &json!({"detail": "Method Not Allowed"}),
+        )),
         _ => Ok(json_response(
             StatusCode::NOT_FOUND,
             &json!({"detail": "Not Found"}),

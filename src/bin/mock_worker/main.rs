@@ -5,12 +5,14 @@
 //!
 //! Modules: [`cli`] (arguments), [`http`] (routes and response shapes), [`media`] and
 //! [`fetch`] (images), [`prompt`] (chat template and tokens), [`prefix_cache`] (block hashes
-//! and the block pool), [`engine`] (queue, admission, timing), [`metrics`] (`/metrics`).
+//! and the block pool), [`engine`] (queue, admission, timing), [`metrics`] (`/metrics`),
+//! [`kv_publisher`] (KV events over ZMQ).
 
 mod cli;
 mod engine;
 mod fetch;
 mod http;
+mod kv_publisher;
 mod media;
 mod metrics;
 mod prefix_cache;
@@ -69,16 +71,34 @@ async fn run(cfg: Config) -> Result<(), String> {
         .clone()
         .unwrap_or_else(|| format!("mock-{}", addr.port()));
     let shutdown = shutdown_signal();
-    let engine = Engine::new(EngineConfig {
-        block_size: cfg.block_size,
-        num_gpu_blocks: cfg.num_gpu_blocks,
-        max_num_seqs: cfg.max_num_seqs,
-        prefill_tokens_per_sec: cfg.prefill_tokens_per_sec,
-        decode_tokens_per_sec: cfg.decode_tokens_per_sec,
-        encoder_ms_per_image: cfg.encoder_ms_per_image,
-        time_scale: cfg.time_scale,
-        mm_cache_items: cfg.mm_cache_items,
-    });
+    let mut events: Box<dyn prefix_cache::KvEventSink> = Box::new(prefix_cache::NoEvents);
+    if let Some(kv) = cfg.kv_events.as_ref().filter(|kv| kv.publishes()) {
+        let p = kv_publisher::start(kv, &cfg.host, &name).await?;
+        // Before `listening on`: whoever waits for that line can read this one already.
+        eprintln!(
+            "[{name}] kv-events on {}{}{}",
+            p.endpoint,
+            if p.connects { " (connect)" } else { "" },
+            p.replay_endpoint
+                .as_ref()
+                .map(|r| format!(" replay {r}"))
+                .unwrap_or_default(),
+        );
+        events = Box::new(p.sink);
+    }
+    let engine = Engine::with_events(
+        EngineConfig {
+            block_size: cfg.block_size,
+            num_gpu_blocks: cfg.num_gpu_blocks,
+            max_num_seqs: cfg.max_num_seqs,
+            prefill_tokens_per_sec: cfg.prefill_tokens_per_sec,
+            decode_tokens_per_sec: cfg.decode_tokens_per_sec,
+            encoder_ms_per_image: cfg.encoder_ms_per_image,
+            time_scale: cfg.time_scale,
+            mm_cache_items: cfg.mm_cache_items,
+        },
+        events,
+    );
     let app = Arc::new(http::App {
         engine: engine.clone(),
         model: cfg.model.clone(),

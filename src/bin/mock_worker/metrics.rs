@@ -30,9 +30,40 @@ fn float(v: f64) -> String {
     }
 }
 
+/// vLLM's `REQUEST_LATENCY_BUCKETS` (`vllm/v1/metrics/buckets.py`), the default buckets of
+/// its request phase-timing histograms, `request_prefill_time_seconds` among them.
+pub const REQUEST_LATENCY_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// A Prometheus histogram over [`REQUEST_LATENCY_BUCKETS`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    /// Observations per bucket (not cumulative); the last one is above every bound.
+    counts: [u64; REQUEST_LATENCY_BUCKETS.len() + 1],
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, v: f64) {
+        let i = REQUEST_LATENCY_BUCKETS
+            .iter()
+            .position(|&le| v <= le)
+            .unwrap_or(REQUEST_LATENCY_BUCKETS.len());
+        if let Some(c) = self.counts.get_mut(i) {
+            *c += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
 struct Writer {
     out: String,
     labels: String,
+    model: String,
 }
 
 impl Writer {
@@ -60,13 +91,33 @@ impl Writer {
         self.family(name, "counter", help);
         self.sample(name, "", value as f64);
     }
+
+    /// As prometheus_client writes a histogram: cumulative `_bucket` samples with `le`
+    /// (labels sorted by name), then `_count` and `_sum`.
+    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.family(name, "histogram", help);
+        let mut cumulative = 0u64;
+        let bounds = REQUEST_LATENCY_BUCKETS.iter().map(|&le| float(le));
+        for (le, n) in bounds.chain(["+Inf".to_string()]).zip(h.counts) {
+            cumulative += n;
+            let _ = writeln!(
+                self.out,
+                "{name}_bucket{{engine=\"0\",le=\"{le}\",model_name=\"{}\"}} {}",
+                self.model,
+                float(cumulative as f64)
+            );
+        }
+        self.sample(&format!("{name}_count"), "", h.count as f64);
+        self.sample(&format!("{name}_sum"), "", h.sum);
+    }
 }
 
 /// Renders every metric.
 pub fn render(model: &str, cfg: &EngineConfig, s: &Snapshot) -> String {
     let mut w = Writer {
-        out: String::with_capacity(4096),
+        out: String::with_capacity(8192),
         labels: format!("engine=\"0\",model_name=\"{}\"", escape(model)),
+        model: escape(model),
     };
     w.gauge(
         "vllm:num_requests_running",
@@ -126,6 +177,11 @@ pub fn render(model: &str, cfg: &EngineConfig, s: &Snapshot) -> String {
             n as f64,
         );
     }
+    w.histogram(
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        &st.prefill_time,
+    );
     // An info metric: the value is 1, the configuration is in the labels. vLLM writes all
     // CacheConfig fields; the ones that matter to a router are here.
     let info = "vllm:cache_config_info";
@@ -211,5 +267,53 @@ mod tests {
         );
         assert!(text.contains("num_gpu_blocks=\"99\"} 1.0\n"));
         assert!(text.contains("# TYPE vllm:prefix_cache_queries_total counter\n"));
+    }
+
+    #[test]
+    fn prefill_time_is_a_cumulative_histogram_over_vllms_buckets() {
+        let mut h = Histogram::default();
+        for v in [0.1, 0.3, 0.31, 9000.0] {
+            h.observe(v);
+        }
+        let snap = Snapshot {
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+            stats: Stats {
+                prefill_time: h,
+                ..Stats::default()
+            },
+            blocks_stored: 0,
+            blocks_removed: 0,
+            cached_blocks: 0,
+            image_fetches: 0,
+        };
+        let cfg = EngineConfig {
+            block_size: 16,
+            num_gpu_blocks: 1,
+            max_num_seqs: 1,
+            prefill_tokens_per_sec: 1.0,
+            decode_tokens_per_sec: 1.0,
+            encoder_ms_per_image: 0.0,
+            time_scale: 0.0,
+            mm_cache_items: 0,
+        };
+        let text = render("m", &cfg, &snap);
+        let p = "vllm:request_prefill_time_seconds";
+        assert!(text.contains(&format!("# TYPE {p} histogram\n")));
+        for (le, n) in [
+            ("0.3", "2.0"),
+            ("0.5", "3.0"),
+            ("7680.0", "3.0"),
+            ("+Inf", "4.0"),
+        ] {
+            let line = format!("{p}_bucket{{engine=\"0\",le=\"{le}\",model_name=\"m\"}} {n}\n");
+            assert!(text.contains(&line), "{line} in\n{text}");
+        }
+        assert!(text.contains(&format!("{p}_count{{engine=\"0\",model_name=\"m\"}} 4.0\n")));
+        assert!(text.contains(&format!(
+            "{p}_sum{{engine=\"0\",model_name=\"m\"}} 9000.71\n"
+        )));
+        assert_eq!(text.matches(&format!("{p}_bucket")).count(), 22);
     }
 }

@@ -20,8 +20,9 @@
 //! Every place where a block's content enters or leaves the cache goes through
 //! [`KvEventSink`]: [`KvEventSink::blocks_stored`] with everything vLLM's `BlockStored` carries
 //! (hashes, parent hash, token ids, block size, extra keys) and [`KvEventSink::blocks_removed`]
-//! with the evicted hashes (`BlockRemoved`). The pool counts both itself; a ZMQ publisher
-//! only has to implement the trait.
+//! with the evicted hashes (`BlockRemoved`), and [`KvEventSink::all_blocks_cleared`] when
+//! [`BlockPool::reset_prefix_cache`] forgets everything (`AllBlocksCleared`). The pool counts
+//! stored and removed blocks itself; `kv_publisher::ZmqSink` publishes them over ZMQ.
 
 use std::collections::{BTreeMap, HashMap};
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
@@ -31,9 +32,8 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 pub struct BlockHash(pub u128);
 
 impl BlockHash {
-    /// The id KV events would carry: the low 64 bits, like vLLM's int block hashes
+    /// The id KV events carry: the low 64 bits, like vLLM's int block hashes
     /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
-    #[allow(dead_code)] // used by the KV-event publisher to come
     pub fn event_id(self) -> u64 {
         self.0 as u64
     }
@@ -158,12 +158,14 @@ pub fn hash_request_blocks(
     out
 }
 
-/// Where cache content changes are reported (the future KV-event publisher).
+/// Where cache content changes are reported (the KV-event publisher).
 pub trait KvEventSink: Send {
     /// Blocks whose content was just cached, in sequence order (a vLLM `BlockStored`).
     fn blocks_stored(&mut self, blocks: &[&HashedBlock], block_size: usize);
     /// Cached blocks that were just evicted (a vLLM `BlockRemoved`).
     fn blocks_removed(&mut self, hashes: &[BlockHash]);
+    /// Every cached block was forgotten (a vLLM `AllBlocksCleared`).
+    fn all_blocks_cleared(&mut self);
 }
 
 /// The default sink: reports nothing (the pool counts stored/removed blocks itself).
@@ -172,6 +174,7 @@ pub struct NoEvents;
 impl KvEventSink for NoEvents {
     fn blocks_stored(&mut self, _blocks: &[&HashedBlock], _block_size: usize) {}
     fn blocks_removed(&mut self, _hashes: &[BlockHash]) {}
+    fn all_blocks_cleared(&mut self) {}
 }
 
 /// Index of a block in the pool.
@@ -332,6 +335,21 @@ impl BlockPool {
         }
     }
 
+    /// vLLM's `BlockPool.reset_prefix_cache`: refused (false) while a running request holds
+    /// blocks; otherwise every cached hash is forgotten (no `BlockRemoved` per block, one
+    /// `AllBlocksCleared`). The blocks stay in the free queue in their order.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.blocks.iter().any(|b| b.ref_cnt > 0) {
+            return false;
+        }
+        for b in &mut self.blocks {
+            b.hash = None;
+        }
+        self.cached.clear();
+        self.sink.all_blocks_cleared();
+        true
+    }
+
     /// Drops one reference from each of a request's blocks, in reverse order, so that a
     /// sequence's tail blocks are evicted before its head.
     pub fn free(&mut self, ids: &[BlockId]) {
@@ -454,6 +472,7 @@ mod tests {
         fn blocks_removed(&mut self, hashes: &[BlockHash]) {
             self.0.lock().unwrap().removed.extend_from_slice(hashes);
         }
+        fn all_blocks_cleared(&mut self) {}
     }
 
     #[test]
@@ -504,5 +523,40 @@ mod tests {
         pool.cache_blocks(&y, &a);
         assert_eq!(pool.num_cached(), 2);
         assert_eq!(pool.find_cached_prefix(&hashes(&a), 9), x);
+    }
+}
+
+#[cfg(test)]
+mod reset_tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    struct Cleared(Arc<Mutex<usize>>);
+    impl KvEventSink for Cleared {
+        fn blocks_stored(&mut self, _: &[&HashedBlock], _: usize) {}
+        fn blocks_removed(&mut self, _: &[BlockHash]) {}
+        fn all_blocks_cleared(&mut self) {
+            *self.0.lock().unwrap() += 1;
+        }
+    }
+
+    #[test]
+    fn reset_is_refused_while_blocks_are_held_then_forgets_everything() {
+        let n = Arc::new(Mutex::new(0));
+        let mut pool = BlockPool::new(4, 16, Box::new(Cleared(n.clone())));
+        let a = hash_request_blocks(&(0..32).collect::<Vec<_>>(), &[], None, 16);
+        let ids = pool.allocate(2).unwrap();
+        pool.cache_blocks(&ids, &a);
+        assert!(!pool.reset_prefix_cache(), "a running request holds blocks");
+        assert_eq!(*n.lock().unwrap(), 0);
+        pool.free(&ids);
+        assert!(pool.reset_prefix_cache());
+        assert_eq!(*n.lock().unwrap(), 1);
+        assert_eq!(pool.num_cached(), 0);
+        assert!(pool.find_cached_prefix(&[a[0].hash], 1).is_empty());
+        // Forgotten blocks are plain free blocks: allocating them evicts nothing.
+        let removed_before = pool.removed_total;
+        let _ = pool.allocate(4).unwrap();
+        assert_eq!(pool.removed_total, removed_before);
     }
 }
