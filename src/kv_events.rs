@@ -105,8 +105,9 @@ pub enum KvEvent {
     BlockRemoved {
         block_hashes: Vec<EngineHash>,
         medium: Option<String>,
-        /// The KV-cache group the blocks belonged to (vLLM >= 0.2x writes it; hybrid models
-        /// have several groups that store and remove the same hashes independently).
+        /// The KV-cache group the blocks belonged to (vLLM 0.23 and 0.33 write it, 0.11 did
+        /// not; hybrid models have several groups that store and remove the same hashes
+        /// independently).
         group_idx: Option<i64>,
     },
     AllBlocksCleared {

@@ -14,7 +14,7 @@
 //!
 //! [`feed`] is the binary answer of the sidecar (`mmrouter-sidecar`) that the filter polls.
 //! [`analysis`] runs steps 1-5 for one body, [`report`] turns that into the `inspect` JSON;
-//! [`config`] is the router's configuration.
+//! [`config`] is the router's configuration; [`kv_events`] decodes vLLM's KV-cache events.
 //! None of these do I/O, so the same code runs natively, in Envoy, in a browser and in any
 //! Wasm host. [`filter`] holds the proxy-wasm filter's host-independent parts (configuration,
 //! shared state, per-VM router); the shells around the core are behind features: `filter`

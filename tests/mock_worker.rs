@@ -279,8 +279,17 @@ fn parse_prometheus(text: &str) -> Metrics {
             assert!(kw == "HELP" || kw == "TYPE", "bad comment: {line}");
             if kw == "TYPE" {
                 let kind = it.next().unwrap();
-                assert!(["counter", "gauge"].contains(&kind), "bad type: {line}");
-                typed.insert(name.to_string());
+                assert!(
+                    ["counter", "gauge", "histogram"].contains(&kind),
+                    "bad type: {line}"
+                );
+                if kind == "histogram" {
+                    for suffix in ["_bucket", "_count", "_sum"] {
+                        typed.insert(format!("{name}{suffix}"));
+                    }
+                } else {
+                    typed.insert(name.to_string());
+                }
             }
             continue;
         }

@@ -46,6 +46,13 @@ impl Worker {
             .spawn()
             .expect("spawn mock-worker");
         let stderr = child.stderr.take().unwrap();
+        // Owned by the Worker from here on, so that its Drop stops it on every path.
+        let mut w = Worker {
+            child,
+            port: 0,
+            events: String::new(),
+            replay: None,
+        };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
@@ -53,7 +60,6 @@ impl Worker {
                 let _ = tx.send(line);
             }
         });
-        let (mut events, mut replay) = (None, None);
         loop {
             let line = rx
                 .recv_timeout(Duration::from_secs(20))
@@ -67,18 +73,17 @@ impl Worker {
                     .map(|s| s.to_string())
             };
             if line.contains(" kv-events on ") {
-                events = after("on");
-                replay = after("replay");
+                w.events = after("on").unwrap();
+                w.replay = after("replay");
             }
             if let Some(rest) = line.split(" listening on ").nth(1) {
                 let addr = rest.split_whitespace().next().unwrap();
-                let port = addr.rsplit(':').next().unwrap().parse().unwrap();
-                return Worker {
-                    child,
-                    port,
-                    events: events.expect("no `kv-events on` line before `listening on`"),
-                    replay,
-                };
+                w.port = addr.rsplit(':').next().unwrap().parse().unwrap();
+                assert!(
+                    !w.events.is_empty(),
+                    "no `kv-events on` line before `listening on`"
+                );
+                return w;
             }
         }
     }

@@ -36,7 +36,7 @@ pub struct Config {
     /// `--default-max-tokens`, default 16 output tokens when the request sets none.
     pub default_max_tokens: u32,
     /// `--kv-events-config JSON`, vLLM's flag: publish KV events over ZMQ. Default: none.
-    pub kv_events: Option<KvEventsConfig>,
+    pub kv_events: Option<Box<KvEventsConfig>>,
 }
 
 impl Default for Config {
@@ -202,7 +202,9 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Command, Cl
             "--time-scale" => c.time_scale = non_negative(&flag, v)?,
             "--mm-cache-items" => c.mm_cache_items = num(&flag, v)?,
             "--default-max-tokens" => c.default_max_tokens = at_least_one(&flag, v)?,
-            "--kv-events-config" => c.kv_events = Some(KvEventsConfig::parse(v).map_err(CliError)?),
+            "--kv-events-config" => {
+                c.kv_events = Some(Box::new(KvEventsConfig::parse(v).map_err(CliError)?))
+            }
             _ => return Err(CliError(format!("unknown option `{flag}`"))),
         }
     }
