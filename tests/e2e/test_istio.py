@@ -350,3 +350,17 @@ def test_envoy_refuses_a_module_whose_sha256_differs():
         assert "mmrouter" not in m.admin_get("/stats?filter=^wasmcustom")
     finally:
         m.close()
+
+
+@pytest.mark.skipif(not SIDECAR, reason="mmrouter-sidecar is not in this tree (MMROUTER_SIDECAR_BIN unset)")
+def test_filter_reads_the_sidecars_feed_through_its_service(mesh):
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        prom = mesh.admin_get("/stats/prometheus")
+        m = re.search(r"^mmrouter_feed_ok(\{[^}]*\})? (\d+)", prom, re.M)
+        if m and int(m.group(2)) > 0:
+            break
+        time.sleep(0.2)
+    assert m and int(m.group(2)) > 0, [l for l in prom.splitlines() if "feed" in l]
+    polls = mesh.admin_get("/stats?filter=^cluster\\.mmrouter_sidecar\\.upstream_rq_total$")
+    assert int(polls.strip().rsplit(" ", 1)[1]) > 0
