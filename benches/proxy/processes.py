@@ -83,6 +83,14 @@ def rss_bytes(pid):
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_ticks():
+    """CPU ticks the whole machine spent busy (all cores; /proc/stat: total less idle and
+    iowait), for the CPU that other processes took during a run."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields[:8]) - fields[3] - fields[4]
+
+
 class Processes:
     """The processes one benchmark started, to stop them all at the end."""
 

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ import envoy  # noqa: E402
 import load  # noqa: E402
 import machine  # noqa: E402
 import processes  # noqa: E402
+import profile as perf_profile  # noqa: E402
 import upstream  # noqa: E402
 
 BODY_LABELS = {"text": "~2 KiB text chat", "image": "~1.5 MiB, one inline JPEG"}
@@ -90,16 +92,25 @@ def one_run(e, nginx, script, body, connections, seconds, warmup, threads):
     if warmup > 0:
         load.wrk(script, e.url, body["path"], connections, warmup, threads)
     before_counters = e.counters() if e.with_filter else {}
+    wrk0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0 = processes.machine_busy_ticks()
     cpu0, up0, t0 = e.cpu_ticks(), nginx.cpu_ticks(), time.monotonic()
     r = load.wrk(script, e.url, body["path"], connections, seconds, threads)
     cpu1, up1, t1 = e.cpu_ticks(), nginx.cpu_ticks(), time.monotonic()
+    busy1 = processes.machine_busy_ticks()
+    wrk1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     run = {
         "envoy": e.name, "requests": r["requests"], "seconds": r["seconds"], "rps": r["rps"],
         "latency_ms": r["latency_ms"], "errors": r["errors"], "errors_total": r["errors_total"],
         "envoy_cpu_s": (cpu1 - cpu0) / processes.CLOCK_TICK,
         "upstream_cpu_s": (up1 - up0) / processes.CLOCK_TICK,
+        "client_cpu_s": (wrk1.ru_utime + wrk1.ru_stime) - (wrk0.ru_utime + wrk0.ru_stime),
         "wall_s": t1 - t0, "loadavg": machine.loadavg(),
     }
+    # What the rest of the machine took meanwhile (other builds and tests): cores busy on
+    # average, besides Envoy, nginx and wrk. Near nproc means the run was starved.
+    ours = run["envoy_cpu_s"] + run["upstream_cpu_s"] + run["client_cpu_s"]
+    run["others_cores"] = max(0.0, (busy1 - busy0) / processes.CLOCK_TICK - ours) / run["wall_s"]
     n = max(1, r["requests"])
     run["envoy_cpu_us_per_request"] = run["envoy_cpu_s"] * 1e6 / n
     run["upstream_cpu_us_per_request"] = run["upstream_cpu_s"] * 1e6 / n
@@ -126,6 +137,7 @@ def summarize(cell_runs):
             "cpu_us": mean([r["envoy_cpu_us_per_request"] for r in runs]),
             "upstream_cpu_us": mean([r["upstream_cpu_us_per_request"] for r in runs]),
             "errors": sum(r["errors_total"] for r in runs),
+            "others_cores": mean([r["others_cores"] for r in runs]),
             "runs": len(runs),
         }
     p, f = s["plain"], s["filter"]
@@ -140,8 +152,8 @@ def summarize(cell_runs):
 def table(cells, body_files):
     head = ("| body | conns | plain req/s | filter req/s | ratio | p50 plain / filter | added p50 "
             "| p99 plain / filter | Envoy CPU per request, plain / filter | added CPU per request "
-            "| req/s spread |")
-    lines = [head, "|---|---:|---:|---:|---:|---|---:|---|---|---:|---:|"]
+            "| req/s spread | other load (cores) |")
+    lines = [head, "|---|---:|---:|---:|---:|---|---:|---|---|---:|---:|---:|"]
 
     def ms(x):
         return f"{x:.2f}" if x < 10 else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
@@ -159,7 +171,8 @@ def table(cells, body_files):
             f"| {label} | {c['connections']} | {p['rps']:,.0f} | {f['rps']:,.0f}{err} | {s['ratio']:.2f} "
             f"| {ms(p['p50_ms'])} / {ms(f['p50_ms'])} ms | {s['added_p50_ms']:+.2f} ms "
             f"| {ms(p['p99_ms'])} / {ms(f['p99_ms'])} ms | {us(p['cpu_us'])} / {us(f['cpu_us'])} "
-            f"| {us(s['added_cpu_us'])} | ±{s['spread'] * 50:.0f}% |")
+            f"| {us(s['added_cpu_us'])} | ±{s['spread'] * 50:.0f}% "
+            f"| {(p['others_cores'] + f['others_cores']) / 2:.1f} |")
     return "\n".join(lines)
 
 
@@ -180,6 +193,9 @@ def main(argv):
     p.add_argument("--upstream", choices=["override-host", "original-dst"], default="override-host")
     p.add_argument("--wrk-threads", type=int, default=1)
     p.add_argument("--nginx-workers", type=int, default=1)
+    p.add_argument("--profile", action="store_true",
+                   help="after the runs, one more run per cell and Envoy under perf: Envoy's CPU per "
+                        "request split into the filter's Wasm code, Envoy's C++, libc and the kernel")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, 1 s warm-up, 1 repetition")
     p.add_argument("--out", help="output directory (default target/bench-proxy/<UTC time>)")
     a = p.parse_args(argv)
@@ -230,14 +246,28 @@ def main(argv):
                         runs.append(run)
                         print(f"  {name:5} c={c:<3} rep {rep} {e.name:6}: {run['rps']:9,.1f} req/s  "
                               f"p50 {run['latency_ms']['p50']:7.2f} ms  p99 {run['latency_ms']['p99']:7.2f} ms  "
-                              f"Envoy CPU {run['envoy_cpu_us_per_request']:8.1f} µs/req"
+                              f"Envoy CPU {run['envoy_cpu_us_per_request']:8.1f} µs/req  other load {run['others_cores']:.1f} cores"
                               + (f"  errors {run['errors']}" if run["errors_total"] else ""), flush=True)
                 cells.append({"body": name, "connections": c, "runs": runs, "summary": summarize(runs)})
+        profile_rows = []
+        if a.profile:
+            if not perf_profile.available():
+                print("bench-proxy: --profile: perf is missing or not allowed here; skipped")
+            for c in cells if perf_profile.available() else []:
+                row = {"body": c["body"], "connections": c["connections"]}
+                for e in (plain, filtered):
+                    row[e.name], _ = perf_profile.profiled_run(
+                        e, script, body_files[c["body"]]["path"], c["connections"], a.seconds,
+                        out / f"perf-{c['body']}-c{c['connections']}-{e.name}.data", a.wrk_threads)
+                profile_rows.append(row)
+                print(f"  profiled {c['body']} c={c['connections']}", flush=True)
         info["loadavg_end"] = machine.loadavg()
         md = table(cells, body_files)
+        if profile_rows:
+            md += "\n\n" + perf_profile.table(profile_rows)
         settings = {k: getattr(a, k) for k in ("seconds", "warmup", "repeat", "concurrency", "workers",
-                                                "upstream", "wrk_threads", "nginx_workers", "router_config")}
-        result = {"machine": info, "settings": settings, "cells": cells,
+                                                "upstream", "wrk_threads", "nginx_workers", "router_config", "profile")}
+        result = {"machine": info, "settings": settings, "cells": cells, "profile": profile_rows,
                   "bodies": {k: {kk: str(vv) for kk, vv in v.items() if not kk.startswith("_")}
                              for k, v in body_files.items()}}
         (out / "results.json").write_text(json.dumps(result, indent=1))
