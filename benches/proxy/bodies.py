@@ -97,20 +97,22 @@ POOL_SIZES = [(320, 240), (480, 360), (640, 480), (800, 600), (1024, 768), (1280
               (400, 400), (720, 540), (960, 720), (1600, 1200), (560, 420), (1120, 840)]
 
 
-def memory_traffic(requests, seed=5):
+def memory_traffic(requests, seed=5, with_images=True):
     """The same request sequence for every bench-memory configuration: list of bodies (bytes).
 
     Each request is a system prompt (one of 4), one image from the pool (Zipf-like choice, so
-    popular images repeat) and a question of its own. The pool's JPEGs are drawn once."""
+    popular images repeat) and a question of its own. The pool's JPEGs are drawn once. Without
+    images, the same sequence with the image parts left out (what the state costs without
+    the VMs' body buffers)."""
     rng = random.Random(seed)
-    images = [jpeg(w, h, 100 + i, 80) for i, (w, h) in enumerate(POOL_SIZES)]
+    images = [jpeg(w, h, 100 + i, 80) if with_images else b"" for i, (w, h) in enumerate(POOL_SIZES)]
     systems = [sentence_text(random.Random(200 + i), 600) for i in range(4)]
     weights = [1.0 / (i + 1) for i in range(len(images))]
     bodies = []
     for n in range(requests):
         i = rng.choices(range(len(images)), weights)[0]
         question = f"Request {n}: " + sentence_text(random.Random(1000 + n), 120)
+        user = image_message(images[i], question) if with_images else {"role": "user", "content": question}
         bodies.append(_dump({"model": MODEL, "max_tokens": 32, "messages": [
-            {"role": "system", "content": systems[rng.randrange(len(systems))]},
-            image_message(images[i], question)]}))
+            {"role": "system", "content": systems[rng.randrange(len(systems))]}, user]}))
     return bodies

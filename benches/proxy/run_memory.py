@@ -103,7 +103,8 @@ def table(results):
              "| VM memory start (sum) | after (sum) | growth | per VM after (min-max) | routed |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
-        vms = list(r["after"]["vms"].values())
+        # One gauge stays 0: a VM that never ticks (see docs/BENCHMARKS.md, Memory).
+        vms = [v for v in r["after"]["vms"].values() if v > 0]
         per_vm = f"{mib(min(vms))}-{mib(max(vms))}" if vms else ""
         vm_cols = (f"{mib(r['start']['vm_total'])} | {mib(r['after']['vm_total'])} | {mib(r['vm_growth'])}"
                    if r["envoy"] == "filter" else "- | - | -")
@@ -148,17 +149,22 @@ def main(argv):
     p.add_argument("--envoy", default=os.environ.get("MMROUTER_ENVOY", str(envoy.ROOT / ".venv/bin/envoy")))
     p.add_argument("--workers", default="4,64,1024", help="comma-separated worker counts")
     p.add_argument("--concurrency", default="2,8", help="comma-separated Envoy --concurrency values")
-    p.add_argument("--requests", type=int, default=400, help="requests of the traffic (default 400)")
+    p.add_argument("--requests", type=int, help="requests of the traffic (default 400; --quick 80)")
     p.add_argument("--clients", type=int, default=8, help="requests in flight (default 8)")
-    p.add_argument("--settle", type=float, default=3.0, help="seconds after start before the first reading")
+    p.add_argument("--traffic", choices=["images", "text"], default="images",
+                   help="images (default): each request carries one image of the pool; text: the "
+                        "same requests without their images")
+    p.add_argument("--settle", type=float, help="seconds after start before the first reading (default 3; --quick 1)")
     p.add_argument("--no-plain-baseline", action="store_true", help="skip the plain Envoy runs")
     p.add_argument("--router-config", help="JSON file merged into the filter's configuration")
     p.add_argument("--nginx-workers", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="smoke run: 80 requests, 1 s settle")
+    p.add_argument("--quick", action="store_true", help="smoke run: 80 requests, 1 s settle (explicit --requests/--settle win)")
     p.add_argument("--out", help="output directory (default target/bench-memory/<UTC time>)")
     a = p.parse_args(argv)
-    if a.quick:
-        a.requests, a.settle = 80, 1.0
+    if a.requests is None:
+        a.requests = 80 if a.quick else 400
+    if a.settle is None:
+        a.settle = 1.0 if a.quick else 3.0
     if not a.wasm:
         p.error("--wasm (or MMROUTER_WASM) is required")
     worker_counts = [int(x) for x in a.workers.split(",") if x.strip()]
@@ -166,19 +172,19 @@ def main(argv):
     if max(worker_counts) > 250 * 250:
         p.error("at most 62,500 workers")
     target = Path(os.environ.get("CARGO_TARGET_DIR", envoy.ROOT / "target"))
-    out = Path(a.out) if a.out else target / "bench-memory" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = (Path(a.out) if a.out else target / "bench-memory" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     processes.exit_on_signals()
     procs = processes.Processes()
     try:
         info = machine.describe(a.envoy, a.wasm)
-        traffic = bodies.memory_traffic(a.requests)
+        traffic = bodies.memory_traffic(a.requests, with_images=a.traffic == "images")
         router_config = envoy.load_router_config(a.router_config)
         nginx = upstream.Nginx(procs, out, processes.free_port("0.0.0.0"), a.nginx_workers)
         for line in machine.header_lines(info):
             print(f"bench-memory: {line}")
-        print(f"bench-memory: traffic: {len(traffic)} requests, {sum(map(len, traffic)) / MIB:,.1f} MiB, "
+        print(f"bench-memory: traffic: {len(traffic)} requests ({a.traffic}), {sum(map(len, traffic)) / MIB:,.1f} MiB, "
               f"{a.clients} in flight, one connection each; settle {a.settle:g} s; out {out}")
         results = []
         variants = [a.wasm] + ([] if a.no_plain_baseline else [None])
@@ -191,7 +197,7 @@ def main(argv):
                     bad = {s: n for s, n in r["statuses"].items() if s != 200}
                     print(f"  {r['envoy']:6} workers {workers:5} concurrency {c}: RSS {mib(r['start']['rss'])} -> "
                           f"{mib(r['after']['rss'])} MiB"
-                          + (f", VMs ({len(r['after']['vms'])}) {mib(r['start']['vm_total'])} -> "
+                          + (f", VMs ({sum(1 for v in r['after']['vms'].values() if v)}) {mib(r['start']['vm_total'])} -> "
                              f"{mib(r['after']['vm_total'])} MiB, routed {r['routed']}" if wasm else "")
                           + (f", fallbacks {r['fallbacks']}" if r["fallbacks"] else "")
                           + (f", NON-200 {bad}" if bad else "")
@@ -201,7 +207,7 @@ def main(argv):
         rs = ratios(results, lo, hi) if lo != hi else []
         md = table(results)
         rl = ratio_lines(rs, lo, hi)
-        settings = {k: getattr(a, k) for k in ("workers", "concurrency", "requests", "clients", "settle",
+        settings = {k: getattr(a, k) for k in ("workers", "concurrency", "requests", "traffic", "clients", "settle",
                                                 "router_config", "nginx_workers")}
         (out / "results.json").write_text(json.dumps(
             {"machine": info, "settings": settings, "results": results, "growth_ratios": rs}, indent=1))

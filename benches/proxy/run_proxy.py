@@ -180,9 +180,9 @@ def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wasm", default=os.environ.get("MMROUTER_WASM"), help="the filter (mmrouter.wasm)")
     p.add_argument("--envoy", default=os.environ.get("MMROUTER_ENVOY", str(envoy.ROOT / ".venv/bin/envoy")))
-    p.add_argument("--seconds", type=int, default=8, help="measured seconds per run (default 8)")
+    p.add_argument("--seconds", type=int, help="measured seconds per run (default 8; --quick 2)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured seconds before each run (default 1)")
-    p.add_argument("--repeat", type=int, default=2, help="runs per variant and cell, interleaved (default 2)")
+    p.add_argument("--repeat", type=int, help="runs per variant and cell, interleaved (default 2; --quick 1)")
     p.add_argument("--connections", default="1,16", help="comma-separated (default 1,16)")
     p.add_argument("--bodies", default="text,image", help="comma-separated: text, image")
     p.add_argument("--text-body", help="a JSON body file to use instead of the generated text chat")
@@ -196,11 +196,13 @@ def main(argv):
     p.add_argument("--profile", action="store_true",
                    help="after the runs, one more run per cell and Envoy under perf: Envoy's CPU per "
                         "request split into the filter's Wasm code, Envoy's C++, libc and the kernel")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, 1 s warm-up, 1 repetition")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, 1 repetition (explicit --seconds/--repeat win)")
     p.add_argument("--out", help="output directory (default target/bench-proxy/<UTC time>)")
     a = p.parse_args(argv)
-    if a.quick:
-        a.seconds, a.warmup, a.repeat = 2, 1, 1
+    if a.seconds is None:
+        a.seconds = 2 if a.quick else 8
+    if a.repeat is None:
+        a.repeat = 1 if a.quick else 2
     if not a.wasm:
         p.error("--wasm (or MMROUTER_WASM) is required")
     if a.seconds < 1 or a.warmup < 0 or a.repeat < 1:
@@ -208,7 +210,7 @@ def main(argv):
     if a.workers < 1 or a.workers > 250 * 250:
         p.error("--workers must be 1..62500")
     target = Path(os.environ.get("CARGO_TARGET_DIR", envoy.ROOT / "target"))
-    out = Path(a.out) if a.out else target / "bench-proxy" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = (Path(a.out) if a.out else target / "bench-proxy" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
     conns = [int(c) for c in a.connections.split(",") if c.strip()]
     names = [b.strip() for b in a.bodies.split(",") if b.strip()]

@@ -40,7 +40,7 @@ def _quoted(text):
 
 
 def config(run_dir, port, workers):
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).resolve()
     return f"""# Written by benches/proxy/upstream.py
 load_module {ECHO_MODULE};
 daemon off;
@@ -92,7 +92,7 @@ class Nginx:
         if not os.path.exists(ECHO_MODULE):
             raise RuntimeError(f"{ECHO_MODULE} missing: apt-get install libnginx-mod-http-echo")
         self.port = port
-        run_dir = Path(run_dir)
+        run_dir = Path(run_dir).resolve()
         for d in ("nginx-body", "nginx-proxy", "nginx-fastcgi", "nginx-uwsgi", "nginx-scgi"):
             (run_dir / d).mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir / d, 0o777)  # nginx's workers drop root
