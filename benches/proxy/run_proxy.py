@@ -35,7 +35,7 @@ import envoy  # noqa: E402
 import load  # noqa: E402
 import machine  # noqa: E402
 import processes  # noqa: E402
-import profile as perf_profile  # noqa: E402
+import cpu_profile  # noqa: E402
 import upstream  # noqa: E402
 
 BODY_LABELS = {"text": "~2 KiB text chat", "image": "~1.5 MiB, one inline JPEG"}
@@ -67,25 +67,26 @@ def post(url, data):
         return r.status, r.read()
 
 
+def routed_and_fallbacks(counters):
+    routed = sum(v for k, v in counters.items() if ".routed." in k)
+    fallbacks = {k: v for k, v in counters.items() if ".fallback." in k and v}
+    return routed, fallbacks
+
+
 def check_paths(plain, filtered, body_files):
     """One request per body through each Envoy: both answer the upstream's reply, and the filter
     routed it (not a fallback), so the runs measure the filter's real path."""
     for name, b in body_files.items():
         data = b["path"].read_bytes()
+        routed0, _ = routed_and_fallbacks(filtered.counters())
         for e in (plain, filtered):
             status, reply = post(e.url, data)
             if status != 200 or json.loads(reply) != json.loads(upstream.CHAT_COMPLETION):
                 raise RuntimeError(f"{e.name}: body {name}: status {status}, reply {reply[:200]!r}")
-        before = b.get("_counters_before", {})
-        after = filtered.counters()
-        routed = sum(v for k, v in after.items() if ".routed." in k) - sum(
-            v for k, v in before.items() if ".routed." in k)
-        fallbacks = {k: v for k, v in after.items() if ".fallback." in k and v}
-        if routed < 1 or fallbacks:
-            raise RuntimeError(f"the filter did not route body {name}: routed +{routed}, "
+        routed1, fallbacks = routed_and_fallbacks(filtered.counters())
+        if routed1 - routed0 < 1 or fallbacks:
+            raise RuntimeError(f"the filter did not route body {name}: routed +{routed1 - routed0}, "
                                f"fallbacks {fallbacks}; see {filtered.log_path}")
-        for other in body_files.values():
-            other["_counters_before"] = after
 
 
 def one_run(e, nginx, script, body, connections, seconds, warmup, threads):
@@ -253,12 +254,12 @@ def main(argv):
                 cells.append({"body": name, "connections": c, "runs": runs, "summary": summarize(runs)})
         profile_rows = []
         if a.profile:
-            if not perf_profile.available():
+            if not cpu_profile.available():
                 print("bench-proxy: --profile: perf is missing or not allowed here; skipped")
-            for c in cells if perf_profile.available() else []:
+            for c in cells if cpu_profile.available() else []:
                 row = {"body": c["body"], "connections": c["connections"]}
                 for e in (plain, filtered):
-                    row[e.name], _ = perf_profile.profiled_run(
+                    row[e.name], _ = cpu_profile.profiled_run(
                         e, script, body_files[c["body"]]["path"], c["connections"], a.seconds,
                         out / f"perf-{c['body']}-c{c['connections']}-{e.name}.data", a.wrk_threads)
                 profile_rows.append(row)
@@ -266,12 +267,11 @@ def main(argv):
         info["loadavg_end"] = machine.loadavg()
         md = table(cells, body_files)
         if profile_rows:
-            md += "\n\n" + perf_profile.table(profile_rows)
+            md += "\n\n" + cpu_profile.table(profile_rows)
         settings = {k: getattr(a, k) for k in ("seconds", "warmup", "repeat", "concurrency", "workers",
                                                 "upstream", "wrk_threads", "nginx_workers", "router_config", "profile")}
         result = {"machine": info, "settings": settings, "cells": cells, "profile": profile_rows,
-                  "bodies": {k: {kk: str(vv) for kk, vv in v.items() if not kk.startswith("_")}
-                             for k, v in body_files.items()}}
+                  "bodies": {k: {kk: str(vv) for kk, vv in v.items()} for k, v in body_files.items()}}
         (out / "results.json").write_text(json.dumps(result, indent=1))
         header = "\n".join(f"- {line}" for line in machine.header_lines(info))
         (out / "summary.md").write_text(
