@@ -23,6 +23,9 @@ allow_on_headers_stop_iteration and the override_host load-balancing policy; tes
     failing; circuit breakers are sized for long-lived LLM streams;
   - `original-dst`: an ORIGINAL_DST cluster connects to exactly the one address in the header
     (any address the filter learns, no cluster membership needed, no retry elsewhere);
+- with `--sidecar HOST:PORT` the filter follows mmrouter-sidecar's feed (membership, engine
+  metrics, KV events), and with `--eds-file PATH` the workers cluster takes its members from the
+  EDS file the sidecar writes, so workers join and leave without an Envoy restart;
 - timeouts fit long generations: no route timeout, a 300 s stream idle timeout;
 - stats_tags turn the filter's metric names into Prometheus labels (worker, reason);
 - admin on 127.0.0.1:ADMIN_PORT.
@@ -30,6 +33,7 @@ Only the Python standard library is used.
 """
 import argparse
 import json
+import os
 import sys
 
 BUFFER_LIMIT = 64 << 20
@@ -95,8 +99,9 @@ def endpoints_yaml(workers, indent="        "):
     )
 
 
-def workers_cluster(upstream, workers):
-    """The cluster the filter's header selects a worker in."""
+def workers_cluster(upstream, workers, eds_file=None):
+    """The cluster the filter's header selects a worker in. With `eds_file` its members come
+    from that file (written by mmrouter-sidecar --eds-file, watched by Envoy)."""
     if upstream == "original-dst":
         return f"""  # Connects to whatever ip:port the filter put in x-gateway-destination-endpoint; the filter
   # only ever writes the workers' addresses, and client copies are stripped above.
@@ -110,10 +115,10 @@ def workers_cluster(upstream, workers):
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
 """
+    members = members_yaml(workers, eds_file)
     return f"""  # The workers, selected by the filter's header (override_host): the first address, then
   # the next ones on retries; with no usable address, least-request among them.
   - name: mmrouter_workers
-    type: STATIC
     connect_timeout: 2s
     per_connection_buffer_limit_bytes: {BUFFER_LIMIT}
 {CIRCUIT_BREAKERS}
@@ -132,22 +137,69 @@ def workers_cluster(upstream, workers):
                   name: envoy.load_balancing_policies.least_request
                   typed_config:
                     "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest
+{members}
+"""
+
+
+def members_yaml(workers, eds_file):
+    if eds_file:
+        directory = os.path.dirname(os.path.abspath(eds_file))
+        return f"""    type: EDS
+    eds_cluster_config:
+      eds_config:
+        resource_api_version: V3
+        path_config_source:
+          path: {json.dumps(os.path.abspath(eds_file))}
+          watched_directory: {{ path: {json.dumps(directory)} }}"""
+    return f"""    type: STATIC
     load_assignment:
       cluster_name: mmrouter_workers
       endpoints:
       - lb_endpoints:
-{endpoints_yaml(workers)}
+{endpoints_yaml(workers)}"""
+
+
+def eds_resource(workers, version="0"):
+    """The EDS file's content for `workers` (what mmrouter-sidecar --eds-file writes)."""
+    return {
+        "version_info": version,
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": "mmrouter_workers",
+            "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {
+                    "address": a.rsplit(":", 1)[0].strip("[]"),
+                    "port_value": int(a.rsplit(":", 1)[1])}}}}
+                for a in workers]}],
+        }],
+    }
+
+
+SIDECAR_CLUSTER = """  # mmrouter-sidecar: the filter's state writer polls its feed (GET /v1/feed).
+  - name: mmrouter_sidecar
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: mmrouter_sidecar
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {{ address: {host}, port_value: {port} }}
 """
 
 
 def render(workers, names, wasm, port, admin_port, router_config, with_filter=True,
-           upstream="override-host"):
+           upstream="override-host", sidecar=None, eds_file=None):
     """The bootstrap YAML. With with_filter=False the Wasm filter is left out: nothing sets the
     destination header, so every request takes the round-robin route (a baseline to compare
     against, same listener, buffers and clusters)."""
     plugin = {}
     if upstream == "override-host":
         plugin["retry_alternates"] = 2
+    if sidecar:
+        # Workers come from the sidecar's feed; the static list seeds the state until then.
+        plugin["sidecar"] = {"cluster": "mmrouter_sidecar", "authority": "mmrouter-sidecar"}
     plugin.update(router_config)
     plugin["workers"] = [{"name": n, "address": a} for n, a in zip(names, workers)]
     plugin_json = json.dumps(plugin, separators=(",", ":"))
@@ -156,7 +208,13 @@ def render(workers, names, wasm, port, admin_port, router_config, with_filter=Tr
         if with_filter else ""
     )
     endpoints = endpoints_yaml(workers)
+    sidecar_cluster = ""
+    if sidecar:
+        sidecar_host, sidecar_port = sidecar.rsplit(":", 1)
+        sidecar_cluster = SIDECAR_CLUSTER.format(host=sidecar_host.strip("[]"), port=sidecar_port)
     return f"""# Generated by envoy/render.py: mmrouter in front of {len(workers)} worker(s).
+# xDS from files (the workers' EDS file) needs a node identity.
+node: {{ id: mmrouter, cluster: mmrouter }}
 admin:
   address:
     socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
@@ -215,7 +273,7 @@ static_resources:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 
   clusters:
-{workers_cluster(upstream, workers)}
+{workers_cluster(upstream, workers, eds_file)}{sidecar_cluster}
   # The filter's own /metrics polls of each worker: to exactly the address in the header.
   - name: mmrouter_endpoint
     type: ORIGINAL_DST
@@ -250,6 +308,11 @@ def main(argv):
                    help="leave the mmrouter filter out: plain round robin (a baseline)")
     p.add_argument("--upstream", choices=["override-host", "original-dst"], default="override-host",
                    help="how the filter's header selects a worker (see the module docs)")
+    p.add_argument("--sidecar", metavar="HOST:PORT",
+                   help="mmrouter-sidecar's address: the filter follows its feed (precise mode)")
+    p.add_argument("--eds-file", metavar="PATH",
+                   help="the workers cluster reads its members from this EDS file (written by "
+                        "mmrouter-sidecar --eds-file); written from --workers if missing")
     p.add_argument("--out", help="output file (default stdout)")
     a = p.parse_args(argv)
     workers = [w.strip() for w in a.workers.split(",") if w.strip()]
@@ -262,8 +325,13 @@ def main(argv):
     if a.router_config:
         with open(a.router_config) as f:
             router_config = json.load(f)
+    if a.eds_file and not os.path.exists(a.eds_file):
+        os.makedirs(os.path.dirname(os.path.abspath(a.eds_file)), exist_ok=True)
+        with open(a.eds_file, "w") as f:
+            json.dump(eds_resource(workers), f)
     text = render(workers, names, a.wasm, a.port, a.admin_port, router_config,
-                  with_filter=not a.no_filter, upstream=a.upstream)
+                  with_filter=not a.no_filter, upstream=a.upstream, sidecar=a.sidecar,
+                  eds_file=a.eds_file)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

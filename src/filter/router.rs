@@ -196,7 +196,7 @@ impl Router {
         let now_ms = now_us / 1000;
         let half_life = self.config.router.scoring.footprint_half_life_ms;
         let fresh_for = self.metrics_fresh_for_ms();
-        let candidates: Vec<Candidate> = eligible
+        let mut candidates: Vec<Candidate> = eligible
             .iter()
             .map(|&s| {
                 let l = live.get(s).copied().unwrap_or_default();
@@ -210,6 +210,15 @@ impl Router {
                 c
             })
             .collect();
+        // A worker whose speed is not known yet (it just joined) is assumed as fast as the
+        // fleet's mean, not the configured default: new workers are usually like the others.
+        let known: Vec<f64> = candidates.iter().filter_map(|c| c.prefill_tps).collect();
+        if !known.is_empty() {
+            let mean = known.iter().sum::<f64>() / known.len() as f64;
+            for c in candidates.iter_mut().filter(|c| c.prefill_tps.is_none()) {
+                c.prefill_tps = Some(mean);
+            }
+        }
         let block_size = analysis.layout.block_size.max(1);
         let request = RequestSize {
             total_blocks: keys.len(),

@@ -37,6 +37,10 @@ pub struct Config {
     pub max_blocks_per_worker: usize,
     /// `--journal-entries`, default 65536.
     pub journal_entries: usize,
+    /// `--eds-file PATH`: write the members as an Envoy EDS resource (see `eds`).
+    pub eds_file: Option<PathBuf>,
+    /// `--eds-cluster NAME`, default `mmrouter_workers`: the cluster the resource is for.
+    pub eds_cluster: String,
 }
 
 /// Default of `--max-blocks-per-worker`: 256 Ki blocks, about 21 MiB per worker at most
@@ -62,6 +66,8 @@ impl Default for Config {
             unhealthy_after: 2,
             max_blocks_per_worker: DEFAULT_MAX_BLOCKS,
             journal_entries: DEFAULT_JOURNAL_ENTRIES,
+            eds_file: None,
+            eds_cluster: "mmrouter_workers".into(),
         }
     }
 }
@@ -97,6 +103,9 @@ METRICS:
   --unhealthy-after N       failed scrapes in a row that make a worker unhealthy [2]
 
 SERVER:
+  --eds-file PATH           write the members as an Envoy EDS resource to PATH (atomically)
+                            for a cluster with a filesystem path_config_source [none]
+  --eds-cluster NAME        the cluster name in that resource [mmrouter_workers]
   --listen ADDR             HTTP address [127.0.0.1:9902]; port 0 = any free port
   -h, --help                this text
 
@@ -203,6 +212,8 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Cli
             }
             "--max-blocks-per-worker" => cfg.max_blocks_per_worker = at_least_one(&flag, v)?,
             "--journal-entries" => cfg.journal_entries = at_least_one(&flag, v)?,
+            "--eds-file" => cfg.eds_file = Some(PathBuf::from(v)),
+            "--eds-cluster" => cfg.eds_cluster = value.clone(),
             _ => return Err(CliError(format!("unknown option `{flag}`"))),
         }
     }

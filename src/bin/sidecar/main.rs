@@ -4,12 +4,14 @@
 //! and the images they carry). The filter polls `GET /v1/feed`; people read `/v1/state`.
 //! See docs/SIDECAR.md and `mmrouter-sidecar --help`.
 //!
-//! Modules: [`cli`] (arguments), [`membership`] (sources of workers), [`scrape`]
+//! Modules: [`cli`] (arguments), [`membership`] (sources of workers), [`eds`] (the members
+//! as an Envoy EDS file), [`scrape`]
 //! (`/metrics`), [`events`] (ZMQ subscription, sequence, replay), [`residency`] (a worker's
 //! resident blocks and images), [`journal`] (changes for feed deltas), [`registry`] (the
 //! shared state and its views), [`http`] (endpoints), [`log`] (stderr lines).
 
 mod cli;
+mod eds;
 mod events;
 mod http;
 mod journal;
@@ -160,9 +162,22 @@ async fn run(cfg: Config) -> Result<(), String> {
 /// Keeps the registry and the per-worker tasks equal to the combined membership.
 async fn reconcile(sources: Arc<Sources>, registry: Arc<Mutex<Registry>>, cfg: Arc<Config>) {
     let mut running: HashMap<String, (WorkerSpec, Vec<JoinHandle<()>>)> = HashMap::new();
+    let mut eds_version = 0u64;
     loop {
         sources.wait_change().await;
         let (desired, clashes) = sources.desired();
+        if let Some(path) = &cfg.eds_file {
+            eds_version += 1;
+            let members: Vec<&WorkerSpec> = desired.values().collect();
+            match eds::write(path, &cfg.eds_cluster, eds_version, &members) {
+                Ok(()) => log!(
+                    "eds: {} workers written to {} (version {eds_version})",
+                    members.len(),
+                    path.display()
+                ),
+                Err(e) => log!("{e}"),
+            }
+        }
         for c in clashes {
             log!("{c}");
         }
