@@ -118,6 +118,9 @@ pub struct MetricsConfig {
     /// Consecutive failed polls after which a worker is skipped by routing until a poll
     /// succeeds again (default 3; 0 never skips). When every worker is failing, all are used.
     pub unhealthy_after: u32,
+    /// Polls in flight at most (default 64): a large fleet's polls spread over the period.
+    /// Past a few hundred workers, prefer the sidecar, which scrapes outside Envoy.
+    pub max_inflight: usize,
 }
 
 impl Default for MetricsConfig {
@@ -128,6 +131,7 @@ impl Default for MetricsConfig {
             timeout_ms: 200,
             cluster: "mmrouter_endpoint".into(),
             unhealthy_after: 3,
+            max_inflight: 64,
         }
     }
 }

@@ -49,11 +49,13 @@ pub enum Event {
         decisions: u64,
         buckets: u64,
     },
-    /// A worker's `/metrics` poll: good or failed (with why).
+    /// A worker's `/metrics` poll: good or failed (with why); `transition` when it changed the
+    /// worker's health (worth a log line; every poll is counted).
     Poll {
         name: String,
         ok: bool,
         why: Option<String>,
+        transition: bool,
     },
     /// A feed poll: good, or failed with why.
     Feed {
@@ -76,10 +78,14 @@ pub struct Poller {
     holder: u64,
     writer: bool,
     last_tick_ms: u64,
-    last_metrics_ms: u64,
     last_feed_ms: u64,
     last_good_feed_ms: Option<u64>,
     pending: HashMap<u32, Pending>,
+    /// When each slot was last polled, and the next slot to consider.
+    last_polled: HashMap<usize, u64>,
+    poll_cursor: usize,
+    /// Consecutive failed polls per slot (for the log lines on health changes).
+    failing: HashMap<usize, u32>,
     pub(super) feed: super::feed_apply::FeedState,
 }
 
@@ -94,10 +100,12 @@ impl Poller {
             holder,
             writer: false,
             last_tick_ms: 0,
-            last_metrics_ms: 0,
             last_feed_ms: 0,
             last_good_feed_ms: None,
             pending: HashMap::new(),
+            last_polled: HashMap::new(),
+            poll_cursor: 0,
+            failing: HashMap::new(),
             feed: super::feed_apply::FeedState::default(),
         }
     }
@@ -205,52 +213,106 @@ impl Poller {
             }
         }
         let poll = &config.metrics;
-        if poll.poll_ms > 0
-            && !precise_now
-            && now_ms.saturating_sub(self.last_metrics_ms) >= poll.poll_ms
-        {
-            self.last_metrics_ms = now_ms;
-            let members = read_members(store, router.keys());
-            self.pending
-                .retain(|_, p| !matches!(p, Pending::Metrics { .. }));
-            for (slot, m) in members.active() {
-                let header = Some((config.destination_header.as_str(), m.address.as_str()));
-                match out.get(
-                    &poll.cluster,
-                    &m.address,
-                    &poll.path,
-                    header,
-                    poll.timeout_ms,
-                ) {
-                    Some(token) => {
-                        self.pending.insert(
-                            token,
-                            Pending::Metrics {
-                                slot,
-                                name: m.name.clone(),
-                            },
-                        );
-                    }
-                    None => {
-                        record_poll(
-                            store,
-                            router.keys(),
-                            config.router.block_size,
-                            poll.unhealthy_after,
+        if poll.poll_ms > 0 && !precise_now {
+            self.poll_due_workers(router, store, now_ms, out, &mut events);
+        }
+        events
+    }
+
+    /// Polls the workers whose poll is due, round robin from where the last tick stopped, at
+    /// most `metrics.max_inflight` at a time: a large fleet's polls spread over the period
+    /// instead of bursting on one tick.
+    fn poll_due_workers(
+        &mut self,
+        router: &Router,
+        store: &dyn SharedStore,
+        now_ms: u64,
+        out: &mut dyn Dispatcher,
+        events: &mut Vec<Event>,
+    ) {
+        let config = &router.config;
+        let poll = &config.metrics;
+        let members = read_members(store, router.keys());
+        let n = members.slots.len();
+        if n == 0 {
+            return;
+        }
+        let in_flight: Vec<usize> = self
+            .pending
+            .values()
+            .filter_map(|p| match p {
+                Pending::Metrics { slot, .. } => Some(*slot),
+                Pending::Feed => None,
+            })
+            .collect();
+        let mut budget = poll.max_inflight.saturating_sub(in_flight.len());
+        for step in 0..n {
+            if budget == 0 {
+                break;
+            }
+            let slot = (self.poll_cursor + step) % n;
+            let Some(m) = members.slots.get(slot).filter(|m| m.active) else {
+                continue;
+            };
+            let last = self.last_polled.get(&slot).copied().unwrap_or(0);
+            if now_ms.saturating_sub(last) < poll.poll_ms || in_flight.contains(&slot) {
+                continue;
+            }
+            self.last_polled.insert(slot, now_ms);
+            self.poll_cursor = (slot + 1) % n;
+            budget -= 1;
+            let header = Some((config.destination_header.as_str(), m.address.as_str()));
+            match out.get(
+                &poll.cluster,
+                &m.address,
+                &poll.path,
+                header,
+                poll.timeout_ms,
+            ) {
+                Some(token) => {
+                    self.pending.insert(
+                        token,
+                        Pending::Metrics {
                             slot,
-                            None,
-                            now_ms,
-                        );
-                        events.push(Event::Poll {
                             name: m.name.clone(),
-                            ok: false,
-                            why: Some("dispatch refused".into()),
-                        });
-                    }
+                        },
+                    );
+                }
+                None => {
+                    let ok = record_poll(
+                        store,
+                        router.keys(),
+                        config.router.block_size,
+                        poll.unhealthy_after,
+                        slot,
+                        None,
+                        now_ms,
+                    );
+                    let transition = self.poll_outcome(slot, ok, poll.unhealthy_after);
+                    events.push(Event::Poll {
+                        name: m.name.clone(),
+                        ok,
+                        why: Some("dispatch refused".into()),
+                        transition,
+                    });
                 }
             }
         }
-        events
+    }
+
+    /// Counts a poll outcome for `slot`; true when it changed the worker's health (it became
+    /// unhealthy, or a good poll ended a failing streak), the only polls worth a log line.
+    fn poll_outcome(&mut self, slot: usize, ok: bool, unhealthy_after: u32) -> bool {
+        let failing = self.failing.entry(slot).or_insert(0);
+        let threshold = unhealthy_after.max(1);
+        if ok {
+            let was = *failing;
+            *failing = 0;
+            was >= threshold
+        } else {
+            *failing = failing.saturating_add(1);
+            *failing == threshold
+        }
     }
 
     fn feed_fresh(&self, config: &FilterConfig, now_ms: u64) -> bool {
@@ -297,7 +359,13 @@ impl Poller {
                     stats,
                     now_ms,
                 );
-                vec![Event::Poll { name, ok, why }]
+                let transition = self.poll_outcome(slot, ok, config.metrics.unhealthy_after);
+                vec![Event::Poll {
+                    name,
+                    ok,
+                    why,
+                    transition,
+                }]
             }
             Pending::Feed => {
                 let result = match (status, body) {

@@ -147,10 +147,20 @@ impl Shared {
                     name,
                     ok: false,
                     why,
+                    transition: true,
                 } => Some((
                     LogLevel::Warn,
-                    format!("poll of {name} failed: {}", why.as_deref().unwrap_or("?")),
+                    format!(
+                        "worker {name} is unhealthy: its polls fail: {}",
+                        why.as_deref().unwrap_or("?")
+                    ),
                 )),
+                Event::Poll {
+                    name,
+                    ok: true,
+                    transition: true,
+                    ..
+                } => Some((LogLevel::Info, format!("worker {name} is healthy again"))),
                 Event::Feed { ok: false, why } => Some((
                     LogLevel::Warn,
                     format!(
