@@ -1,12 +1,12 @@
 //! The real filter `.wasm` (feature `filter`, wasm32-wasip1, profile `wasm`) on the Wasmtime
-//! proxy-wasm host (`src/proxy_host`). The test command builds the `.wasm` itself (see
+//! proxy-wasm host (`proxy-wasm-host`, in `tests/proxy-wasm-host`). The test command builds the `.wasm` itself (see
 //! `tests/support`), so these tests exercise exactly what Envoy would load.
 
 mod support;
 
 use base64::Engine as _;
 use mmrouter::filter::shared_state::{SharedState, SharedStore, StoreError, generation};
-use mmrouter::proxy_host::{
+use proxy_wasm_host::{
     Action, Callback, Host, HostError, HttpResponse, LogLevel, Response, Vm, VmConfig,
 };
 use std::time::Duration;
@@ -104,7 +104,7 @@ fn text_body(text: &str) -> String {
     )
 }
 
-fn chat<'a>(vm: &'a Vm, body: &str) -> mmrouter::proxy_host::RequestBuilder<'a> {
+fn chat<'a>(vm: &'a Vm, body: &str) -> proxy_wasm_host::RequestBuilder<'a> {
     vm.request()
         .header(":path", "/v1/chat/completions")
         .header("content-type", "application/json")
