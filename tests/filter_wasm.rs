@@ -4,12 +4,12 @@
 
 mod support;
 
-use base64::Engine as _;
 use mmrouter::filter::shared_state::{SharedState, SharedStore, StoreError, generation};
 use proxy_wasm_host::{
     Action, Callback, Host, HostError, HttpResponse, LogLevel, Response, Vm, VmConfig,
 };
 use std::time::Duration;
+use test_images::{Png, base64 as b64, noise};
 
 const ADDRS: [&str; 3] = ["127.0.0.1:8000", "127.0.0.1:8001", "127.0.0.1:8002"];
 const DEST: &str = "x-gateway-destination-endpoint";
@@ -41,55 +41,10 @@ fn host() -> Host {
 
 // ---- request bodies ----
 
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = 0xFFFF_FFFFu32;
-    for b in bytes {
-        crc ^= u32::from(*b);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let start = out.len();
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let crc = crc32(&out[start..]);
-    out.extend_from_slice(&crc.to_be_bytes());
-}
-
 /// A PNG of `w`×`h` whose IDAT holds `payload` bytes derived from `seed` (the header reader
 /// follows chunk lengths, it never inflates).
 fn png(w: u32, h: u32, payload: usize, seed: u64) -> Vec<u8> {
-    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&w.to_be_bytes());
-    ihdr.extend_from_slice(&h.to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    chunk(&mut out, b"IHDR", &ihdr);
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let data: Vec<u8> = (0..payload)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
-    chunk(&mut out, b"IDAT", &data);
-    chunk(&mut out, b"IEND", &[]);
-    out
-}
-
-fn b64(bytes: &[u8]) -> String {
-    base64::engine::general_purpose::STANDARD.encode(bytes)
+    Png::new(w, h).idat(&noise(payload, seed)).bytes()
 }
 
 fn image_body(image_b64: &str, text: &str) -> String {

@@ -2,17 +2,8 @@
 
 use base64::Engine as _;
 use std::io::{ErrorKind, Write};
-use std::path::Path;
 use std::process::{Command, Output, Stdio};
-
-fn fixture(name: &str) -> Vec<u8> {
-    std::fs::read(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/images")
-            .join(name),
-    )
-    .expect("fixture")
-}
+use test_images::fixture;
 
 /// Runs the CLI with `stdin` on its standard input. The input is written from a thread while
 /// the output is collected, so a large input never dead-locks against a full stdout pipe, and a

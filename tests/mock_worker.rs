@@ -8,6 +8,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use test_images::Png;
 
 const MODEL: &str = "Qwen/Qwen2.5-VL-7B-Instruct";
 
@@ -155,63 +156,14 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 
 // ---- images ---------------------------------------------------------------------------------
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = 0xffff_ffffu32;
-    for &b in data {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xedb8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-fn png_chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let mut c = kind.to_vec();
-    c.extend_from_slice(data);
-    out.extend_from_slice(&c);
-    out.extend_from_slice(&crc32(&c).to_be_bytes());
-}
-
 /// A PNG file whose header says `w`x`h`; `seed` varies the (undecoded) pixel data, so two
 /// seeds give two different files of the same size.
 fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
-    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&w.to_be_bytes());
-    ihdr.extend_from_slice(&h.to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    png_chunk(&mut out, b"IHDR", &ihdr);
-    png_chunk(&mut out, b"IDAT", &[seed; 64]);
-    png_chunk(&mut out, b"IEND", &[]);
-    out
-}
-
-fn b64(data: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut s = String::new();
-    for c in data.chunks(3) {
-        let n = (c[0] as u32) << 16
-            | (*c.get(1).unwrap_or(&0) as u32) << 8
-            | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            if i <= c.len() {
-                s.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                s.push('=');
-            }
-        }
-    }
-    s
+    Png::new(w, h).idat(&[seed; 64]).bytes()
 }
 
 fn data_url(bytes: &[u8]) -> String {
-    format!("data:image/png;base64,{}", b64(bytes))
+    test_images::data_url("image/png", bytes)
 }
 
 fn image_part(url: &str, uuid: Option<&str>) -> Value {

@@ -330,6 +330,7 @@ mod tests {
     use super::super::shared_state::MemoryStore;
     use super::*;
     use base64::Engine as _;
+    use test_images::png;
 
     fn config(workers: usize) -> FilterConfig {
         let ws: Vec<String> = (0..workers)
@@ -337,44 +338,6 @@ mod tests {
             .collect();
         FilterConfig::from_json(format!(r#"{{"workers":[{}]}}"#, ws.join(",")).as_bytes())
             .expect("config")
-    }
-
-    /// A PNG whose header says `w`×`h`: signature, IHDR, a short IDAT and IEND (the pixels
-    /// are not valid, which header reading must not care about).
-    fn png(w: u32, h: u32) -> Vec<u8> {
-        let mut v = vec![0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a];
-        let mut ihdr = Vec::new();
-        ihdr.extend_from_slice(&w.to_be_bytes());
-        ihdr.extend_from_slice(&h.to_be_bytes());
-        ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-        chunk(&mut v, b"IHDR", &ihdr);
-        chunk(&mut v, b"IDAT", &[0x78, 0x9c, 0x03, 0x00]);
-        chunk(&mut v, b"IEND", &[]);
-        v
-    }
-
-    fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        let start = out.len();
-        out.extend_from_slice(kind);
-        out.extend_from_slice(data);
-        let crc = crc32(&out[start..]);
-        out.extend_from_slice(&crc.to_be_bytes());
-    }
-
-    fn crc32(data: &[u8]) -> u32 {
-        let mut crc = 0xffff_ffffu32;
-        for &b in data {
-            crc ^= u32::from(b);
-            for _ in 0..8 {
-                crc = if crc & 1 != 0 {
-                    (crc >> 1) ^ 0xedb8_8320
-                } else {
-                    crc >> 1
-                };
-            }
-        }
-        !crc
     }
 
     fn body(image: &[u8], text: &str) -> Vec<u8> {
