@@ -18,8 +18,9 @@
 //! None of these do I/O, so the same code runs natively, in Envoy, in a browser and in any
 //! Wasm host. [`filter`] holds the proxy-wasm filter's host-independent parts (configuration,
 //! shared state, per-VM router); the shells around the core are behind features: `filter`
-//! (the proxy-wasm callbacks), `web` (wasm-bindgen), `component` (WIT), `proxy-host` (a
-//! Wasmtime host for proxy-wasm modules), `native` (the mock vLLM worker).
+//! (the proxy-wasm callbacks), `web` (wasm-bindgen), `component` (WIT), `native` (the mock
+//! vLLM worker). The tests run the real filter `.wasm` on `proxy-wasm-host`, a Wasmtime
+//! proxy-wasm host that is a crate of its own (`tests/proxy-wasm-host`).
 #![cfg_attr(
     not(test),
     deny(
@@ -40,8 +41,6 @@ pub mod identity;
 pub mod image_header;
 pub mod kv_events;
 pub mod layout;
-#[cfg(feature = "proxy-host")]
-pub mod proxy_host;
 pub mod report;
 pub mod request;
 pub mod scoring;

@@ -5,7 +5,7 @@
 //! --features component --profile wasm`) into `<target>/component-wasm`, where `<target>` is
 //! `CARGO_TARGET_DIR` or the target directory this test binary lives in. Needs the
 //! `wasm32-wasip2` rust target (`scripts/setup rust`). Run with
-//! `cargo test --features proxy-host --test component`.
+//! `cargo test --test component`.
 
 use ::mmrouter::analysis::{Overrides, analyze, analyze_with, describe_image as native_describe};
 use ::mmrouter::config::RouterConfig;

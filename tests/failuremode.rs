@@ -213,7 +213,7 @@ fn a_profile_without_a_cap_cannot_make_a_huge_header_lay_out_billions_of_tokens(
     png[16..20].copy_from_slice(&65535u32.to_be_bytes());
     png[20..24].copy_from_slice(&65535u32.to_be_bytes());
     // Fix the IHDR CRC so that only the size is absurd.
-    let crc = crc32(&png[12..29]);
+    let crc = test_images::crc32(&png[12..29]);
     png[29..33].copy_from_slice(&crc.to_be_bytes());
     let b64 = base64::engine::general_purpose::STANDARD.encode(&png);
     let body = format!(
@@ -222,19 +222,4 @@ fn a_profile_without_a_cap_cannot_make_a_huge_header_lay_out_billions_of_tokens(
     let err = analyze(body.as_bytes(), &config).expect_err("refused");
     assert_eq!(err.reason(), "bad_image_size");
     assert!(err.to_string().contains("max_media_tokens"), "{err}");
-}
-
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = 0xFFFF_FFFFu32;
-    for b in bytes {
-        crc ^= u32::from(*b);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }

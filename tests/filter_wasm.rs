@@ -1,17 +1,17 @@
 //! The real filter `.wasm` (feature `filter`, wasm32-wasip1, profile `wasm`) on the Wasmtime
-//! proxy-wasm host (`src/proxy_host`). The test command builds the `.wasm` itself (see
+//! proxy-wasm host (`proxy-wasm-host`, in `tests/proxy-wasm-host`). The test command builds the `.wasm` itself (see
 //! `tests/support`), so these tests exercise exactly what Envoy would load.
 
 mod support;
 
-use base64::Engine as _;
 use mmrouter::feed::{self, Feed, FeedWorker};
-use mmrouter::proxy_host::{
-    Action, Callback, Host, HostError, HttpResponse, LogLevel, Response, Vm, VmConfig,
-};
 use mmrouter::state::load::{Load, decode as decode_loads};
 use mmrouter::state::{Keys, StateConfig};
+use proxy_wasm_host::{
+    Action, Callback, Host, HostError, HttpResponse, LogLevel, Response, Vm, VmConfig,
+};
 use std::time::Duration;
+use test_images::{Png, base64 as b64, noise};
 
 const ADDRS: [&str; 3] = ["127.0.0.1:8000", "127.0.0.1:8001", "127.0.0.1:8002"];
 const DEST: &str = "x-gateway-destination-endpoint";
@@ -50,55 +50,10 @@ fn host() -> Host {
 
 // ---- request bodies ----
 
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = 0xFFFF_FFFFu32;
-    for b in bytes {
-        crc ^= u32::from(*b);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let start = out.len();
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let crc = crc32(&out[start..]);
-    out.extend_from_slice(&crc.to_be_bytes());
-}
-
 /// A PNG of `w`×`h` whose IDAT holds `payload` bytes derived from `seed` (the header reader
 /// follows chunk lengths, it never inflates).
 fn png(w: u32, h: u32, payload: usize, seed: u64) -> Vec<u8> {
-    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&w.to_be_bytes());
-    ihdr.extend_from_slice(&h.to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    chunk(&mut out, b"IHDR", &ihdr);
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let data: Vec<u8> = (0..payload)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
-    chunk(&mut out, b"IDAT", &data);
-    chunk(&mut out, b"IEND", &[]);
-    out
-}
-
-fn b64(bytes: &[u8]) -> String {
-    base64::engine::general_purpose::STANDARD.encode(bytes)
+    Png::new(w, h).idat(&noise(payload, seed)).bytes()
 }
 
 fn image_body(image_b64: &str, text: &str) -> String {
@@ -113,7 +68,7 @@ fn text_body(text: &str) -> String {
     )
 }
 
-fn chat<'a>(vm: &'a Vm, body: &str) -> mmrouter::proxy_host::RequestBuilder<'a> {
+fn chat<'a>(vm: &'a Vm, body: &str) -> proxy_wasm_host::RequestBuilder<'a> {
     vm.request()
         .header(":path", "/v1/chat/completions")
         .header("content-type", "application/json")
@@ -144,7 +99,7 @@ fn queued_us(host: &Host, n: usize) -> Vec<u64> {
 }
 
 fn host_now_us(host: &Host) -> u64 {
-    mmrouter::proxy_host::DEFAULT_EPOCH_SECS * 1_000_000 + host.now().as_micros() as u64
+    proxy_wasm_host::DEFAULT_EPOCH_SECS * 1_000_000 + host.now().as_micros() as u64
 }
 
 fn worker_of(addr: Option<&str>) -> usize {
@@ -694,13 +649,14 @@ fn poll_timeouts_failures_and_garbage_count_as_failed_and_make_a_worker_unhealth
     }
     assert_eq!(host.metric_value("mmrouter.polls_failed"), Some(3));
     assert_eq!(host.metric_value("mmrouter.polls_ok"), Some(3));
+    // One log line, when w0 turned unhealthy (with the last reason), not one per failure.
+    let lines = vm.logs_containing("is unhealthy");
+    assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(
-        !vm.logs_containing("no vllm:num_requests_waiting")
-            .is_empty()
-    );
-    assert!(
-        !vm.logs_containing("connection failed or timed out")
-            .is_empty()
+        lines[0].message.contains("w0")
+            && lines[0].message.contains("no vllm:num_requests_waiting"),
+        "{:?}",
+        lines[0].message
     );
     // w0 failed 3 polls in a row: unhealthy, so everything goes to w1, even with load on w1.
     let mut open = Vec::new();
@@ -723,8 +679,7 @@ fn a_writer_that_stops_renewing_its_lease_is_replaced() {
     let keys = Keys::new(StateConfig::default().namespace(16));
     // A writer on a VM that died: its lease runs until t + 1 s.
     let mut lease = 0xdead_u64.to_le_bytes().to_vec();
-    lease
-        .extend_from_slice(&(mmrouter::proxy_host::DEFAULT_EPOCH_SECS * 1000 + 1000).to_le_bytes());
+    lease.extend_from_slice(&(proxy_wasm_host::DEFAULT_EPOCH_SECS * 1000 + 1000).to_le_bytes());
     host.set_shared_data("", &keys.lease(), &lease, 0);
     let vm = host.vm(vm_config(2, POLL)).unwrap();
     host.advance(Duration::from_millis(980)).unwrap();

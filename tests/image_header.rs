@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use mmrouter::image_header::{HeaderError, ImageFormat, ImageInfo, read_image_header};
 use proptest::prelude::*;
+use test_images::Png;
 
 // ------------------------------------------------------------- allocation counting
 
@@ -328,20 +329,7 @@ fn jpeg_exif_after_sof_and_junk_between_segments_still_count() {
 #[test]
 fn huge_declared_sizes_are_read_without_allocating_for_the_pixels() {
     // PNG 60000x50000 RGBA: IHDR with a correct CRC, one empty IDAT, IEND.
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    let chunk = |png: &mut Vec<u8>, kind: &[u8], data: &[u8]| {
-        png.extend((data.len() as u32).to_be_bytes());
-        let mut body = kind.to_vec();
-        body.extend(data);
-        png.extend(&body);
-        png.extend(crc32(&body).to_be_bytes());
-    };
-    let mut ihdr = 60000u32.to_be_bytes().to_vec();
-    ihdr.extend(50000u32.to_be_bytes());
-    ihdr.extend([8, 6, 0, 0, 0]);
-    chunk(&mut png, b"IHDR", &ihdr);
-    chunk(&mut png, b"IDAT", &[]);
-    chunk(&mut png, b"IEND", &[]);
+    let png = Png::new(60000, 50000).color_type(6).idat(&[]).bytes();
 
     let jpg = jpeg(&[(0xC2, &sof(8, 65535, 65500, 3)), (0xDA, SOS)]);
 
@@ -397,21 +385,6 @@ fn fixture_headers_allocate_little_and_jpeg_allocates_nothing() {
             _ => assert!(allocated < 64 * 1024, "{}: {allocated} bytes", f.name),
         }
     }
-}
-
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in data {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 // ------------------------------------------------------------- garbage never panics

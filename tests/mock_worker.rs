@@ -8,6 +8,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use test_images::Png;
 
 const MODEL: &str = "Qwen/Qwen2.5-VL-7B-Instruct";
 
@@ -155,63 +156,14 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 
 // ---- images ---------------------------------------------------------------------------------
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = 0xffff_ffffu32;
-    for &b in data {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xedb8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-fn png_chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let mut c = kind.to_vec();
-    c.extend_from_slice(data);
-    out.extend_from_slice(&c);
-    out.extend_from_slice(&crc32(&c).to_be_bytes());
-}
-
 /// A PNG file whose header says `w`x`h`; `seed` varies the (undecoded) pixel data, so two
 /// seeds give two different files of the same size.
 fn png(w: u32, h: u32, seed: u8) -> Vec<u8> {
-    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&w.to_be_bytes());
-    ihdr.extend_from_slice(&h.to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    png_chunk(&mut out, b"IHDR", &ihdr);
-    png_chunk(&mut out, b"IDAT", &[seed; 64]);
-    png_chunk(&mut out, b"IEND", &[]);
-    out
-}
-
-fn b64(data: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut s = String::new();
-    for c in data.chunks(3) {
-        let n = (c[0] as u32) << 16
-            | (*c.get(1).unwrap_or(&0) as u32) << 8
-            | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            if i <= c.len() {
-                s.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                s.push('=');
-            }
-        }
-    }
-    s
+    Png::new(w, h).idat(&[seed; 64]).bytes()
 }
 
 fn data_url(bytes: &[u8]) -> String {
-    format!("data:image/png;base64,{}", b64(bytes))
+    test_images::data_url("image/png", bytes)
 }
 
 fn image_part(url: &str, uuid: Option<&str>) -> Value {
@@ -598,9 +550,16 @@ fn http_image_urls_are_fetched_and_counted() {
     std::thread::spawn(move || {
         for conn in server.incoming() {
             let Ok(mut s) = conn else { break };
+            // Read the whole request head, however the client's writes were split.
+            let mut head = Vec::new();
             let mut buf = [0u8; 4096];
-            let n = s.read(&mut buf).unwrap_or(0);
-            let req = String::from_utf8_lossy(&buf[..n]).to_string();
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            let req = String::from_utf8_lossy(&head).to_string();
             *hits2.lock().unwrap() += 1;
             if req.starts_with("GET /img.png ") {
                 let _ = write!(
@@ -670,9 +629,30 @@ fn tiny_pool_evicts_least_recently_used_prefix() {
     assert!(r.body.contains("num-gpu-blocks"), "{}", r.body);
 }
 
+/// Polls `cond` every 10 ms until it holds; panics with `what` after 30 s. The deadline only
+/// bounds a broken run: a passing run never depends on it.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The value of `key=<number>` in a log line.
+fn log_field(line: &str, key: &str) -> f64 {
+    line.split_whitespace()
+        .find_map(|f| f.strip_prefix(key)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+        .parse()
+        .unwrap()
+}
+
 #[test]
 fn waiting_queue_shows_in_metrics_and_latency() {
-    // One seat; each request decodes 6 tokens at 40 tok/s = 125 ms after its first token.
+    // One seat. The first request holds it for 119 decode steps at 40 tok/s (~3 s); the two
+    // others are sent only once it runs, so they queue behind it whatever the scheduling of
+    // this test's threads, and each of them decodes 6 tokens (5 steps, 125 ms) after it.
     let w = Worker::start(&[
         "--max-num-seqs",
         "1",
@@ -682,45 +662,81 @@ fn waiting_queue_shows_in_metrics_and_latency() {
         "40",
     ]);
     let port = w.port;
-    let start = Instant::now();
-    let handles: Vec<_> = (0..3)
-        .map(|i| {
-            std::thread::spawn(move || {
-                let body = json!({"model": MODEL, "max_tokens": 6,
-                    "messages": [{"role": "user", "content": format!("request {i}")}]});
-                http(
-                    port,
-                    "POST",
-                    "/v1/chat/completions",
-                    Some(&body.to_string()),
-                )
-                .status
-            })
+    let send = |i: usize, max_tokens: u32| {
+        std::thread::spawn(move || {
+            let body = json!({"model": MODEL, "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": format!("request {i}")}]});
+            http(
+                port,
+                "POST",
+                "/v1/chat/completions",
+                Some(&body.to_string()),
+            )
+            .status
         })
-        .collect();
-    let mut max_waiting = 0.0f64;
+    };
+    let start = Instant::now();
     let mut max_running = 0.0f64;
-    while start.elapsed() < Duration::from_millis(300) {
+    let mut observe = || {
         let m = w.metrics();
-        max_waiting = max_waiting.max(m.get("vllm:num_requests_waiting"));
-        max_running = max_running.max(m.get("vllm:num_requests_running"));
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for h in handles {
+        let (running, waiting) = (
+            m.get("vllm:num_requests_running"),
+            m.get("vllm:num_requests_waiting"),
+        );
+        max_running = max_running.max(running);
+        (running, waiting)
+    };
+    let long = send(0, 120);
+    wait_until("the first request runs", || observe().0 == 1.0);
+    let short: Vec<_> = (1..3).map(|i| send(i, 6)).collect();
+    // Both arrive while the seat is taken (the first request runs for seconds), so the gauge
+    // shows them waiting until it ends.
+    let mut max_waiting = 0.0f64;
+    wait_until("a request waits", || {
+        let (_, waiting) = observe();
+        max_waiting = max_waiting.max(waiting);
+        waiting >= 1.0
+    });
+    assert_eq!(long.join().unwrap(), 200);
+    for h in short {
         assert_eq!(h.join().unwrap(), 200);
     }
     let elapsed = start.elapsed();
     assert!(max_waiting >= 1.0, "waiting never seen: {max_waiting}");
     assert_eq!(max_running, 1.0);
+    // One seat: 119 + 5 + 5 decode steps of 25 ms one after the other.
     assert!(
-        elapsed >= Duration::from_millis(370),
+        elapsed >= Duration::from_millis(129 * 25),
         "three serialised requests took only {elapsed:?}"
     );
     let m = w.metrics();
     assert_eq!(m.get("vllm:num_requests_waiting"), 0.0);
+    assert_eq!(m.get("vllm:num_requests_running"), 0.0);
     assert_eq!(m.get("vllm:request_success_total"), 3.0);
-    let log = w.log.lock().unwrap().join("\n");
-    assert_eq!(log.matches("prompt_tokens=").count(), 3, "{log}");
+    // The log line is written before the response; the reader thread may lag behind it.
+    let lines = || -> Vec<String> {
+        w.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains("prompt_tokens="))
+            .cloned()
+            .collect()
+    };
+    wait_until("three request lines are logged", || lines().len() >= 3);
+    let lines = lines();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    // The waiting shows in latency: the short requests queued, and the later of the two
+    // queued at least through the other's 5 decode steps.
+    let mut queued: Vec<f64> = lines
+        .iter()
+        .filter(|l| log_field(l, "output_tokens") == 6.0)
+        .map(|l| log_field(l, "queued_ms"))
+        .collect();
+    queued.sort_by(f64::total_cmp);
+    assert_eq!(queued.len(), 2, "{lines:?}");
+    assert!(queued[0] > 0.0, "{lines:?}");
+    assert!(queued[1] >= 125.0, "{lines:?}");
 }
 
 #[test]

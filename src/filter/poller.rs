@@ -246,11 +246,12 @@ impl Poller {
             })
             .collect();
         let mut budget = poll.max_inflight.saturating_sub(in_flight.len());
+        let start = self.poll_cursor;
         for step in 0..n {
             if budget == 0 {
                 break;
             }
-            let slot = (self.poll_cursor + step) % n;
+            let slot = (start + step) % n;
             let Some(m) = members.slots.get(slot).filter(|m| m.active) else {
                 continue;
             };
@@ -474,6 +475,65 @@ mod tests {
                 .collect(),
             ..Feed::default()
         })
+    }
+
+    #[test]
+    fn a_large_fleets_polls_spread_over_the_period_at_most_max_inflight_at_a_time() {
+        let store = MemoryStore::default();
+        let workers: Vec<String> = (0..200)
+            .map(|i| {
+                format!(
+                    r#"{{"name":"w{i}","address":"10.0.{}.{}:8000"}}"#,
+                    i / 200,
+                    i % 200
+                )
+            })
+            .collect();
+        let config = FilterConfig::from_json(
+            format!(
+                r#"{{"workers":[{}],"metrics":{{"poll_ms":500,"timeout_ms":400,"max_inflight":64}}}}"#,
+                workers.join(",")
+            )
+            .as_bytes(),
+        )
+        .expect("config");
+        let router = Router::new(config);
+        Poller::configure(&router, &store, 0);
+        let mut p = Poller::new(1);
+        let mut calls = Calls::default();
+        let mut polled_at: HashMap<String, Vec<u64>> = HashMap::new();
+        let t0 = 1_000_000u64;
+        for tick in 0..60u64 {
+            let now = t0 + tick * 20;
+            let before = calls.sent.len();
+            p.tick(&router, &store, now, &mut calls);
+            let new: Vec<(u32, String, String)> = calls.sent[before..].to_vec();
+            assert!(new.len() <= 64, "tick {tick}: {} polls", new.len());
+            for (token, _, _) in new {
+                let Some(Pending::Metrics { name, .. }) = p.pending.get(&token).cloned() else {
+                    continue;
+                };
+                polled_at.entry(name).or_default().push(now);
+                // Answered at once: the next tick may use the slot.
+                p.on_response(
+                    &router,
+                    &store,
+                    token,
+                    Some(200),
+                    Some(b"vllm:num_requests_running 0\n"),
+                    now,
+                );
+            }
+        }
+        assert_eq!(polled_at.len(), 200, "every worker polled");
+        for (name, times) in &polled_at {
+            for pair in times.windows(2) {
+                assert!(
+                    pair[1] - pair[0] >= 500,
+                    "{name} polled twice within poll_ms: {times:?}"
+                );
+            }
+        }
     }
 
     #[test]

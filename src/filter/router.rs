@@ -485,6 +485,7 @@ mod tests {
     use crate::state::writer::{drain, record_poll, sync_members};
     use crate::worker_metrics::{EngineScrape, WorkerMetrics};
     use base64::Engine as _;
+    use test_images::png;
 
     fn config(workers: usize) -> FilterConfig {
         let ws: Vec<String> = (0..workers)
@@ -510,42 +511,6 @@ mod tests {
 
     fn apply(store: &MemoryStore, r: &Router, now_ms: u64) {
         drain(store, r.keys(), &r.config.state, 60_000, now_ms, 1000);
-    }
-
-    fn png(w: u32, h: u32) -> Vec<u8> {
-        let mut v = vec![0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a];
-        let mut ihdr = Vec::new();
-        ihdr.extend_from_slice(&w.to_be_bytes());
-        ihdr.extend_from_slice(&h.to_be_bytes());
-        ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-        chunk(&mut v, b"IHDR", &ihdr);
-        chunk(&mut v, b"IDAT", &[0x78, 0x9c, 0x03, 0x00]);
-        chunk(&mut v, b"IEND", &[]);
-        v
-    }
-
-    fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        out.extend_from_slice(kind);
-        out.extend_from_slice(data);
-        let mut crc_input = kind.to_vec();
-        crc_input.extend_from_slice(data);
-        out.extend_from_slice(&crc32(&crc_input).to_be_bytes());
-    }
-
-    fn crc32(data: &[u8]) -> u32 {
-        let mut crc = 0xffff_ffffu32;
-        for &b in data {
-            crc ^= u32::from(b);
-            for _ in 0..8 {
-                crc = if crc & 1 != 0 {
-                    (crc >> 1) ^ 0xedb8_8320
-                } else {
-                    crc >> 1
-                };
-            }
-        }
-        !crc
     }
 
     fn body(image: &[u8], text: &str) -> Vec<u8> {

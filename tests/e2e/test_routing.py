@@ -41,18 +41,58 @@ def test_same_image_twice_lands_on_the_same_worker_and_hits_its_cache(stack):
     assert cached(b1) < 0.1 * usage["prompt_tokens"]
 
 
-def test_different_images_spread_across_workers(stack):
-    # Sent together, the router sees each worker's in-flight load and spreads them.
-    bodies = [chat(png(320, 240, seed=100 + i)) for i in range(8)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(stack.post, bodies))
-    assert all(status == 200 for status, _, _ in results)
-    workers = {h["x-mock-worker"] for _, h, _ in results}
-    assert len(workers) >= 3, workers
-    # And each image then stays where it went.
-    for body, (_, h, _) in zip(bodies, results):
-        _, again, _ = stack.post(body)
-        assert again["x-mock-worker"] == h["x-mock-worker"]
+def counter(stats, name):
+    """The value of one Prometheus sample (`name` with its labels), 0 when absent."""
+    m = re.search(rf"^{re.escape(name)} (\d+)$", stats, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def routed(stats):
+    return {w: int(v) for w, v in re.findall(r'^mmrouter_routed\{worker="(w\d)"\} (\d+)$', stats, re.M)}
+
+
+def wait_until(what, cond, timeout=30):
+    """Polls `cond` until it returns a true value (returned); fails after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.time() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+def test_different_images_in_flight_at_once_spread_across_workers():
+    # The rule (src/scoring.rs): cost = uncached blocks + 4 x in-flight requests + their
+    # blocks still to prefill. New images are uncached everywhere, so while the earlier ones
+    # are in flight each next one goes to a worker with none: 4 in flight, 4 workers. Each
+    # request is sent once the router has routed the previous one, and the workers decode
+    # slowly (8 tokens at 4 tok/s, ~1.75 s), so all four are in flight together whatever the
+    # random tie-breaks; the test checks that too.
+    stack = Stack(workers=4, worker_args=("--time-scale", "1", "--decode-tokens-per-sec", "4"))
+    try:
+        bodies = [chat(png(320, 240, seed=100 + i)) for i in range(4)]
+        pool = concurrent.futures.ThreadPoolExecutor(4)
+        futures = []
+        for i, body in enumerate(bodies):
+            futures.append(pool.submit(lambda b: (stack.post(b), time.time()), body))
+            wait_until(f"request {i} is routed", lambda: sum(routed(stack.stats()).values()) == i + 1)
+        all_routed = time.time()
+        results = [f.result() for f in futures]
+        pool.shutdown()
+        assert all(status == 200 for (status, _, _), _ in results)
+        assert all(done > all_routed for _, done in results), \
+            "precondition: every request was still in flight when the last one was routed"
+        workers = [h["x-mock-worker"] for (_, h, _), _ in results]
+        assert sorted(workers) == ["w0", "w1", "w2", "w3"], workers
+        assert all(h["x-mmrouter-worker"] == h["x-mock-worker"] for (_, h, _), _ in results)
+        # And each image then stays where it went: its cache outweighs any load (sent
+        # together, each repeat's owner holds no other request).
+        with concurrent.futures.ThreadPoolExecutor(4) as again_pool:
+            again = list(again_pool.map(stack.post, bodies))
+        assert [h["x-mock-worker"] for _, h, _ in again] == workers
+    finally:
+        stack.close()
 
 
 def test_a_client_cannot_steer_the_request(stack):
@@ -91,11 +131,13 @@ def test_a_client_cannot_steer_the_request(stack):
     (json.dumps(chat(b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR\x00")).encode(), "bad_image"),
 ])
 def test_bodies_the_router_cannot_use_are_still_answered_and_counted(stack, body, reason):
+    name = f'mmrouter_fallback{{reason="{reason}"}}'
+    before = counter(stack.stats(), name)
     status, h, _ = stack.post(body)
     # Routed to a worker (which answers 400 for what vLLM would refuse), never a proxy 5xx.
     assert h.get("x-mock-worker") in {n for n, _ in stack.workers}, dict(h)
     assert status < 500
-    assert f'mmrouter_fallback{{reason="{reason}"}}' in stack.stats()
+    assert counter(stack.stats(), name) == before + 1
     status, h, _ = stack.post(chat(png(96, 96, seed=8)))
     assert status == 200 and h["x-mmrouter-worker"] == h["x-mock-worker"]
 
@@ -129,7 +171,7 @@ def test_a_body_over_the_filter_limit_falls_back_to_the_least_loaded_worker():
     try:
         status, h, _ = stack.post(chat(png(64, 64, seed=3), text="y" * 8000))
         assert status == 200 and h["x-mock-worker"] in ("w0", "w1")
-        assert 'mmrouter_fallback{reason="too_large"}' in stack.stats()
+        assert counter(stack.stats(), 'mmrouter_fallback{reason="too_large"}') == 1
     finally:
         stack.close()
 
@@ -143,7 +185,7 @@ def test_a_body_over_both_limits_streams_to_a_worker_instead_of_413():
     try:
         status, h, _ = stack.post(chat(png(8, 8, seed=4), text="z" * (200 * 1024)))
         assert status == 200 and h["x-mock-worker"] in ("w0", "w1")
-        assert 'mmrouter_fallback{reason="too_large"}' in stack.stats()
+        assert counter(stack.stats(), 'mmrouter_fallback{reason="too_large"}') == 1
     finally:
         stack.close()
 
@@ -187,32 +229,38 @@ def test_the_official_openai_client_works_through_the_router(stack):
 
 
 def test_metrics_and_routing_log_are_visible(stack):
-    stack.post(chat(png(128, 128, seed=12)))
+    # Only what this test's own request adds counts: the stack is shared with other tests.
+    before = stack.stats()
+    log_start = len(stack.log())
+    _, h, _ = stack.post(chat(png(128, 128, seed=12)))
+    worker = h["x-mmrouter-worker"]
+    matched, total = overlap(h)
     stats = stack.stats()
-    routed = dict(re.findall(r'mmrouter_routed\{worker="(w\d)"\} (\d+)', stats))
-    assert set(routed) == {"w0", "w1", "w2", "w3"}
-    assert sum(int(v) for v in routed.values()) >= 1
-    assert re.search(r"mmrouter_images\{\} [1-9]", stats)
-    assert re.search(r"\[ROUTING\] Best: w\d with \d+/\d+ blocks overlap", stack.log())
+    assert set(routed(stats)) == {"w0", "w1", "w2", "w3"}
+    assert {w: n - routed(before)[w] for w, n in routed(stats).items()} == \
+        {w: int(w == worker) for w in ("w0", "w1", "w2", "w3")}
+    assert counter(stats, "mmrouter_images{}") == counter(before, "mmrouter_images{}") + 1
+    # Envoy flushes its log every 50 ms: wait for this request's line.
+    line = f"[ROUTING] Best: {worker} with {matched}/{total} blocks overlap"
+    wait_until("the routing line is logged", lambda: line in stack.log()[log_start:], timeout=10)
 
 
 def test_workers_are_polled_and_a_dead_worker_is_skipped():
-    stack = Stack(workers=3, plugin_config={"metrics": {"poll_ms": 200, "timeout_ms": 150}})
+    # A poll timeout far above a live mock's answer time (~1 ms), so that only the dead
+    # worker's polls (refused at once) can fail.
+    stack = Stack(workers=3, plugin_config={"metrics": {"poll_ms": 500, "timeout_ms": 450}})
     try:
-        deadline = time.time() + 10
-        while not re.search(r"mmrouter_polls_ok\{\} [1-9]", stack.stats()):
-            assert time.time() < deadline, "the workers' /metrics were never polled"
-            time.sleep(0.1)
+        wait_until("the workers' /metrics are polled",
+                   lambda: counter(stack.stats(), "mmrouter_polls_ok{}") >= 1, timeout=10)
         image = png(256, 256, seed=21)
         _, h, _ = stack.post(chat(image))
         owner = h["x-mmrouter-worker"]
+        failed = counter(stack.stats(), "mmrouter_polls_failed{}")
         stack.kill_worker(owner)
-        # Three failed polls (200 ms apart) mark it unhealthy.
-        deadline = time.time() + 10
-        while not re.search(r"mmrouter_polls_failed\{\} ([3-9]|\d\d)", stack.stats()):
-            assert time.time() < deadline, "polls of the dead worker never failed"
-            time.sleep(0.1)
-        time.sleep(0.3)
+        # Three failed polls (unhealthy_after) mark it unhealthy. The filter records a poll in
+        # shared data before it counts it, so the counter moving means the router knows.
+        wait_until("three polls of the dead worker failed",
+                   lambda: counter(stack.stats(), "mmrouter_polls_failed{}") >= failed + 3, timeout=10)
         for i in range(6):
             status, h, _ = stack.post(chat(image if i == 0 else png(64, 64, seed=30 + i)))
             assert status == 200, f"request {i} got {status}"

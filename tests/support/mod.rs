@@ -2,8 +2,7 @@
 
 #![allow(dead_code)]
 
-use mmrouter::proxy_host::build::WasmBuild;
-use mmrouter::proxy_host::{HostError, WasmModule};
+use proxy_wasm_host::{HostError, WasmBuild, WasmModule};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 

@@ -1,8 +1,8 @@
-//! Process-wide state shared by every VM of one [`Host`](super::Host), with Envoy's semantics
+//! Process-wide state shared by every VM of one [`Host`](crate::Host), with Envoy's semantics
 //! (proxy-wasm-cpp-host `src/shared_data.cc`): the shared key-value store and shared queues,
 //! keyed by `vm_id`, and the metrics (Envoy's stats store).
 
-use super::abi::{MetricKind, Status};
+use crate::abi::{MetricKind, Status};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// The shared key-value store.
@@ -176,7 +176,9 @@ impl SharedQueues {
 /// One metric's current value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetricValue {
+    /// A counter's value.
     Counter(u64),
+    /// A gauge's value.
     Gauge(i64),
     /// Every recorded sample, in order.
     Histogram(Vec<u64>),

@@ -9,15 +9,25 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum Status {
+    /// `OK`: success.
     Ok = 0,
+    /// `NOT_FOUND`: no such key, map, context or queue.
     NotFound = 1,
+    /// `BAD_ARGUMENT`: an argument is invalid.
     BadArgument = 2,
+    /// `SERIALIZATION_FAILURE`.
     SerializationFailure = 3,
+    /// `PARSE_FAILURE`.
     ParseFailure = 4,
+    /// `INVALID_MEMORY_ACCESS`: a pointer/size outside the linear memory.
     InvalidMemoryAccess = 6,
+    /// `EMPTY`: the queue is empty.
     Empty = 7,
+    /// `CAS_MISMATCH`: the shared-data CAS is stale.
     CasMismatch = 8,
+    /// `INTERNAL_FAILURE`.
     InternalFailure = 10,
+    /// `UNIMPLEMENTED`: not supported by this host.
     Unimplemented = 12,
 }
 
@@ -32,15 +42,22 @@ impl Status {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u32)]
 pub enum LogLevel {
+    /// `TRACE` (0).
     Trace = 0,
+    /// `DEBUG` (1).
     Debug = 1,
+    /// `INFO` (2).
     Info = 2,
+    /// `WARN` (3).
     Warn = 3,
+    /// `ERROR` (4).
     Error = 4,
+    /// `CRITICAL` (5).
     Critical = 5,
 }
 
 impl LogLevel {
+    /// The level with this ABI value.
     pub fn from_u32(v: u32) -> Option<LogLevel> {
         Some(match v {
             0 => LogLevel::Trace,
@@ -64,6 +81,7 @@ pub enum Action {
 }
 
 impl Action {
+    /// The value with this ABI number.
     pub fn from_i32(v: i32) -> Option<Action> {
         match v {
             0 => Some(Action::Continue),
@@ -76,17 +94,26 @@ impl Action {
 /// `proxy_map_type_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MapType {
+    /// `HTTP_REQUEST_HEADERS` (0).
     RequestHeaders,
+    /// `HTTP_REQUEST_TRAILERS` (1).
     RequestTrailers,
+    /// `HTTP_RESPONSE_HEADERS` (2).
     ResponseHeaders,
+    /// `HTTP_RESPONSE_TRAILERS` (3).
     ResponseTrailers,
+    /// `GRPC_RECEIVE_INITIAL_METADATA` (4).
     GrpcInitialMetadata,
+    /// `GRPC_RECEIVE_TRAILING_METADATA` (5).
     GrpcTrailingMetadata,
+    /// `HTTP_CALL_RESPONSE_HEADERS` (6).
     HttpCallResponseHeaders,
+    /// `HTTP_CALL_RESPONSE_TRAILERS` (7).
     HttpCallResponseTrailers,
 }
 
 impl MapType {
+    /// The value with this ABI number.
     pub fn from_i32(v: i32) -> Option<MapType> {
         Some(match v {
             0 => MapType::RequestHeaders,
@@ -105,18 +132,28 @@ impl MapType {
 /// `proxy_buffer_type_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BufferType {
+    /// `HTTP_REQUEST_BODY` (0).
     RequestBody,
+    /// `HTTP_RESPONSE_BODY` (1).
     ResponseBody,
+    /// `DOWNSTREAM_DATA` (2).
     DownstreamData,
+    /// `UPSTREAM_DATA` (3).
     UpstreamData,
+    /// `HTTP_CALL_RESPONSE_BODY` (4).
     HttpCallResponseBody,
+    /// `GRPC_RECEIVE_BUFFER` (5).
     GrpcReceiveBuffer,
+    /// `VM_CONFIGURATION` (6).
     VmConfiguration,
+    /// `PLUGIN_CONFIGURATION` (7).
     PluginConfiguration,
+    /// `CALL_DATA` (8).
     CallData,
 }
 
 impl BufferType {
+    /// The value with this ABI number.
     pub fn from_i32(v: i32) -> Option<BufferType> {
         Some(match v {
             0 => BufferType::RequestBody,
@@ -136,13 +173,18 @@ impl BufferType {
 /// `proxy_stream_type_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StreamType {
+    /// `HTTP_REQUEST` (0).
     HttpRequest,
+    /// `HTTP_RESPONSE` (1).
     HttpResponse,
+    /// `DOWNSTREAM` (2).
     Downstream,
+    /// `UPSTREAM` (3).
     Upstream,
 }
 
 impl StreamType {
+    /// The value with this ABI number.
     pub fn from_i32(v: i32) -> Option<StreamType> {
         Some(match v {
             0 => StreamType::HttpRequest,
@@ -157,12 +199,16 @@ impl StreamType {
 /// `proxy_metric_type_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MetricKind {
+    /// `COUNTER` (0).
     Counter,
+    /// `GAUGE` (1).
     Gauge,
+    /// `HISTOGRAM` (2).
     Histogram,
 }
 
 impl MetricKind {
+    /// The value with this ABI number.
     pub fn from_i32(v: i32) -> Option<MetricKind> {
         Some(match v {
             0 => MetricKind::Counter,
@@ -182,6 +228,7 @@ pub struct HeaderMap {
 }
 
 impl HeaderMap {
+    /// An empty map.
     pub fn new() -> HeaderMap {
         HeaderMap::default()
     }
@@ -197,14 +244,17 @@ impl HeaderMap {
         map
     }
 
+    /// Number of (name, value) pairs, duplicates counted.
     pub fn len(&self) -> usize {
         self.pairs.len()
     }
 
+    /// No pairs.
     pub fn is_empty(&self) -> bool {
         self.pairs.is_empty()
     }
 
+    /// Every pair in order, names lower-cased.
     pub fn pairs(&self) -> &[(String, Vec<u8>)] {
         &self.pairs
     }
@@ -235,6 +285,7 @@ impl HeaderMap {
             .collect()
     }
 
+    /// `name` has at least one value.
     pub fn contains(&self, name: &str) -> bool {
         self.get_bytes(name).is_some()
     }

@@ -1,247 +1,17 @@
-//! A Wasmtime host for proxy-wasm modules (ABI 0.2.1), to test a compiled filter `.wasm`
-//! quickly and deterministically, without Envoy.
-//!
-//! It emulates what Envoy does around a filter: one VM per worker thread, each with its own
-//! root context and tick; ONE shared-data store, shared queues and one stats store for all of
-//! them (keyed by `vm_id`); a virtual clock that only moves when the test says so; outbound
-//! HTTP calls that the test answers (or fails, or lets time out); Envoy's order of callbacks
-//! and its body buffering. Imports it does not implement trap with the import's name.
-//!
-//! ```no_run
-//! # fn main() -> Result<(), mmrouter::proxy_host::HostError> {
-//! use mmrouter::proxy_host::{Host, WasmModule};
-//! let module = WasmModule::load("target/wasm32-wasip1/wasm/my_filter.wasm")?;
-//! let host = Host::new(&module)?;
-//! let vm = host.vm(r#"{"some":"config"}"#)?;
-//! let s = vm
-//!     .request()
-//!     .header(":path", "/v1/chat/completions")
-//!     .body(b"{}")
-//!     .send()?;
-//! assert_eq!(s.request_header("x-added"), Some("1"));
-//! # Ok(()) }
-//! ```
-//!
-//! See `docs/PROXY_HOST.md` for the semantics in detail.
+//! [`Host`]: one emulated Envoy process, and the state its VMs share.
 
-pub mod abi;
-pub mod build;
-mod imports;
-pub mod shared;
-mod vm;
-
-pub use abi::{Action, HeaderMap, LogLevel, MetricKind, Status, StreamType};
-pub use shared::MetricValue;
-pub use vm::{
-    Callback, Exchange, HttpCall, HttpCallOutcome, HttpResponse, LocalResponse, LogEntry,
-    LogSource, RequestBuilder, Response, Vm, VmConfig,
-};
-
-use shared::{Metrics, QueueTarget, SharedData, SharedQueues};
-use std::collections::{HashMap, VecDeque};
+use crate::abi::Status;
+use crate::config::VmConfig;
+use crate::error::HostError;
+use crate::imports;
+use crate::module::{WasmModule, engine};
+use crate::shared::{MetricValue, Metrics, QueueTarget, SharedData, SharedQueues};
+use crate::vm::{self, Vm};
+use std::collections::VecDeque;
 use std::fmt;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-/// Everything that can go wrong hosting a module.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HostError {
-    /// The `.wasm` could not be read or compiled.
-    Load { path: String, message: String },
-    /// Linking or instantiation failed (e.g. an import with an unexpected signature).
-    Instantiate(String),
-    /// The module does not export `proxy_abi_version_0_2_1` (or `_0_2_0`).
-    UnsupportedAbi,
-    /// A callback trapped (a Rust panic in the SDK, an unimplemented import, `proc_exit`...).
-    /// `logs` are the module's last error/critical log lines (the panic message, usually).
-    Trap {
-        callback: String,
-        context_id: u32,
-        message: String,
-        logs: Vec<String>,
-    },
-    /// `proxy_on_vm_start` returned false.
-    VmStartRejected { logs: Vec<String> },
-    /// `proxy_on_configure` returned false (Envoy refuses the plugin configuration).
-    ConfigureRejected { logs: Vec<String> },
-    /// The VM trapped earlier; Envoy would have failed it too.
-    VmFailed(String),
-    /// A callback returned a value outside the ABI (e.g. an action other than 0/1).
-    Abi(String),
-    /// No open or completed stream with this context id.
-    UnknownStream(u32),
-    /// No pending HTTP call with this token.
-    UnknownHttpCall(u32),
-    /// Pending events kept producing events (queue ping-pong, a responder that never ends).
-    Runaway(String),
-    /// Building a `.wasm` with cargo failed.
-    Build(String),
-}
-
-impl fmt::Display for HostError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            HostError::Load { path, message } => write!(f, "cannot load {path}: {message}"),
-            HostError::Instantiate(m) => write!(f, "cannot instantiate the module: {m}"),
-            HostError::UnsupportedAbi => write!(
-                f,
-                "the module exports neither proxy_abi_version_0_2_1 nor proxy_abi_version_0_2_0"
-            ),
-            HostError::Trap {
-                callback,
-                context_id,
-                message,
-                logs,
-            } => {
-                write!(f, "{callback}(context {context_id}) trapped: {message}")?;
-                if !logs.is_empty() {
-                    write!(f, "; module logs: {}", logs.join(" | "))?;
-                }
-                Ok(())
-            }
-            HostError::VmStartRejected { logs } => {
-                write!(
-                    f,
-                    "proxy_on_vm_start returned false; logs: {}",
-                    logs.join(" | ")
-                )
-            }
-            HostError::ConfigureRejected { logs } => write!(
-                f,
-                "proxy_on_configure returned false (configuration refused); logs: {}",
-                logs.join(" | ")
-            ),
-            HostError::VmFailed(m) => write!(f, "the VM failed earlier: {m}"),
-            HostError::Abi(m) => write!(f, "ABI violation: {m}"),
-            HostError::UnknownStream(id) => write!(f, "no stream with context id {id}"),
-            HostError::UnknownHttpCall(t) => write!(f, "no pending HTTP call with token {t}"),
-            HostError::Runaway(m) => write!(f, "pending events do not settle: {m}"),
-            HostError::Build(m) => write!(f, "building the .wasm failed: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for HostError {}
-
-/// The engine shared by every module of this process (a `Module` belongs to one engine).
-fn engine() -> &'static wasmtime::Engine {
-    static ENGINE: OnceLock<wasmtime::Engine> = OnceLock::new();
-    ENGINE.get_or_init(wasmtime::Engine::default)
-}
-
-/// A compiled module. [`WasmModule::load`] compiles each path once per process and then hands
-/// out clones (cheap: the compiled code is shared).
-#[derive(Clone)]
-pub struct WasmModule {
-    module: wasmtime::Module,
-    name: String,
-}
-
-impl fmt::Debug for WasmModule {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("WasmModule")
-            .field("name", &self.name)
-            .finish()
-    }
-}
-
-impl WasmModule {
-    /// Compiles `path`, or returns the module compiled earlier from the same path.
-    pub fn load(path: impl AsRef<Path>) -> Result<WasmModule, HostError> {
-        static CACHE: OnceLock<Mutex<HashMap<PathBuf, WasmModule>>> = OnceLock::new();
-        let path = path.as_ref();
-        let key = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-        let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-        if let Some(m) = lock(cache).get(&key) {
-            return Ok(m.clone());
-        }
-        let bytes = std::fs::read(path).map_err(|e| HostError::Load {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        let name = path.display().to_string();
-        let module = match compiled_cache_path(path, &bytes) {
-            Some(cwasm) => load_or_compile_cached(&name, &bytes, &cwasm)?,
-            None => WasmModule::from_bytes(&name, &bytes)?,
-        };
-        lock(cache).insert(key, module.clone());
-        Ok(module)
-    }
-
-    /// Compiles a module from bytes (not cached).
-    pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<WasmModule, HostError> {
-        let module = wasmtime::Module::new(engine(), bytes).map_err(|e| HostError::Load {
-            path: name.to_string(),
-            message: format!("{e:#}"),
-        })?;
-        Ok(WasmModule {
-            module,
-            name: name.to_string(),
-        })
-    }
-
-    /// The module's imports as `module::name`, for diagnostics.
-    pub fn imports(&self) -> Vec<String> {
-        self.module
-            .imports()
-            .map(|i| format!("{}::{}", i.module(), i.name()))
-            .collect()
-    }
-
-    /// The module's exports.
-    pub fn exports(&self) -> Vec<String> {
-        self.module
-            .exports()
-            .map(|e| e.name().to_string())
-            .collect()
-    }
-}
-
-/// Where [`WasmModule::load`] keeps the compiled code of `wasm`: beside it, named after the
-/// xxh3-128 of its bytes and the engine's compatibility hash, so a changed module or another
-/// wasmtime never reads a stale file. `None` (no disk cache) when the environment variable
-/// `PROXY_HOST_NO_CACHE` is set.
-fn compiled_cache_path(wasm: &Path, bytes: &[u8]) -> Option<PathBuf> {
-    use std::hash::{Hash, Hasher};
-    if std::env::var_os("PROXY_HOST_NO_CACHE").is_some() {
-        return None;
-    }
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    engine().precompile_compatibility_hash().hash(&mut h);
-    let engine_hash = h.finish();
-    let wasm_hash = xxhash_rust::xxh3::xxh3_128(bytes);
-    let file = wasm.file_name()?.to_string_lossy().into_owned();
-    Some(wasm.with_file_name(format!("{file}.{wasm_hash:032x}.{engine_hash:016x}.cwasm")))
-}
-
-/// Compiling a filter with a debug build of Cranelift takes tens of seconds; the compiled
-/// code is reused across test runs through `cwasm`.
-fn load_or_compile_cached(name: &str, bytes: &[u8], cwasm: &Path) -> Result<WasmModule, HostError> {
-    if cwasm.exists() {
-        // SAFETY: `cwasm` is only ever written below, by `Module::serialize` of this same
-        // engine configuration, under a name that carries the hash of the source bytes and of
-        // the engine's compatibility settings; wasmtime re-checks its header on load.
-        let loaded = unsafe { wasmtime::Module::deserialize_file(engine(), cwasm) };
-        if let Ok(module) = loaded {
-            return Ok(WasmModule {
-                module,
-                name: name.to_string(),
-            });
-        }
-    }
-    let module = WasmModule::from_bytes(name, bytes)?;
-    if let Ok(serialized) = module.module.serialize() {
-        // Write-then-rename so a concurrent reader never sees half a file; failures only
-        // cost the next run a compile.
-        let tmp = cwasm.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, serialized).is_ok() {
-            let _ = std::fs::rename(&tmp, cwasm);
-        }
-    }
-    Ok(module)
-}
 
 /// What every VM of one host shares.
 pub(crate) struct HostShared {
@@ -251,6 +21,7 @@ pub(crate) struct HostShared {
     pub(crate) next_http_token: AtomicU32,
 }
 
+/// The host-wide state behind one lock.
 pub(crate) struct SharedState {
     pub(crate) data: SharedData,
     pub(crate) queues: SharedQueues,
@@ -518,6 +289,7 @@ impl fmt::Debug for Host {
     }
 }
 
+/// The next HTTP call token of the host (never 0).
 pub(crate) fn next_http_token(shared: &HostShared) -> u32 {
     loop {
         let t = shared.next_http_token.fetch_add(1, Ordering::Relaxed);

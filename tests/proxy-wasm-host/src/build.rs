@@ -1,7 +1,7 @@
 //! Building a crate's proxy-wasm `.wasm` from a test, so that the test command itself builds
 //! what it tests (no manual step).
 
-use super::HostError;
+use crate::error::HostError;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -26,6 +26,8 @@ pub struct WasmBuild {
 }
 
 impl WasmBuild {
+    /// Builds the library `lib_name` of the crate in `manifest_dir` (release, wasm32-wasip1,
+    /// no features until [`WasmBuild::feature`] adds some).
     pub fn new(manifest_dir: impl Into<PathBuf>, lib_name: &str) -> WasmBuild {
         WasmBuild {
             manifest_dir: manifest_dir.into(),
@@ -36,18 +38,22 @@ impl WasmBuild {
             target_dir: None,
         }
     }
+    /// Enables a cargo feature.
     pub fn feature(mut self, f: &str) -> Self {
         self.features.push(f.to_string());
         self
     }
+    /// Sets the cargo profile (`dev` lands in `debug/`).
     pub fn profile(mut self, p: &str) -> Self {
         self.profile = p.to_string();
         self
     }
+    /// Sets the target triple.
     pub fn target(mut self, t: &str) -> Self {
         self.target = t.to_string();
         self
     }
+    /// Sets the cargo target dir of this build.
     pub fn target_dir(mut self, d: impl Into<PathBuf>) -> Self {
         self.target_dir = Some(d.into());
         self
