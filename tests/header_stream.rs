@@ -112,7 +112,7 @@ fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(512)))]
 
     #[test]
     fn any_way_of_cutting_a_fixture_gives_the_same_result(
