@@ -1030,3 +1030,34 @@ fn no_payload_is_decoded_after_an_item_failed() {
         reference::analyze(&body, &config()).map(|_| ())
     );
 }
+
+#[test]
+fn odd_bytes_inside_a_payload_fail_as_they_failed_before_wherever_the_body_is_cut() {
+    // Raw bytes in the base64 of a data URL: JSON errors (control bytes, bad UTF-8) stay JSON
+    // errors even though payload runs are checked by the base64 decoder first; valid UTF-8 is
+    // a base64 error of the image.
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&fixtures()[3].1);
+    for odd in [
+        &b"\n"[..],
+        b"\x01",
+        b"\x7f",
+        "é".as_bytes(),
+        b"\xff",
+        b"\xc3",
+        b"\xe2\x82",
+        b" ",
+    ] {
+        for at in [0, 1, 5, b64.len() / 2, b64.len() - 1, b64.len()] {
+            let mut payload = b64.as_bytes()[..at].to_vec();
+            payload.extend(odd);
+            payload.extend(&b64.as_bytes()[at..]);
+            let mut body = br#"{"model":"m","messages":[{"content":[{"type":"image_url","image_url":"data:image/png;base64,"#.to_vec();
+            body.extend(&payload);
+            body.extend(br#""}]}]}"#);
+            let prefix = body.len() - payload.len() - 7;
+            for cut in [prefix + at, prefix + at + 1, body.len() / 2] {
+                assert_equivalent(&body, &[cut]);
+            }
+        }
+    }
+}

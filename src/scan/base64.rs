@@ -114,35 +114,42 @@ impl Base64Stream {
         }
     }
 
-    /// The next bytes of the payload (already JSON-unescaped).
-    pub(crate) fn feed(&mut self, input: &[u8], sink: &mut impl Sink) {
-        let mut rest = input;
-        while !rest.is_empty() {
+    /// The next bytes of the payload (already JSON-unescaped). Returns the index of the first
+    /// byte that is not printable ASCII (a control byte or part of a UTF-8 sequence), which
+    /// the JSON lexer has to look at; every other byte was seen to be plain.
+    pub(crate) fn feed(&mut self, input: &[u8], sink: &mut impl Sink) -> Option<usize> {
+        let mut first_odd = None;
+        let mut at = 0;
+        while let Some(rest) = input.get(at..).filter(|r| !r.is_empty()) {
             // Scalar until the held quad is complete, then the fast path over whole quads that
             // are certainly not the last ones (at least one byte stays behind for `held`).
             if self.dead || self.held_len != 4 || rest.len() < 8 {
-                let Some((&b, tail)) = rest.split_first() else {
+                let Some(&b) = rest.first() else {
                     break;
                 };
+                if !(0x20..0x80).contains(&b) {
+                    first_odd.get_or_insert(at);
+                }
                 self.symbol(b, sink);
-                rest = tail;
+                at += 1;
                 continue;
             }
             self.decode_held(sink);
             self.held_len = 0;
             let whole = (rest.len() - 1) / 4 * 4;
-            let block = whole.min(BLOCK);
-            let (quads, tail) = rest.split_at(block);
-            if self.fast(quads, sink) {
-                rest = tail;
-            } else {
+            let quads = rest.get(..whole.min(BLOCK)).unwrap_or_default();
+            if !self.fast(quads, sink) {
                 // Something other than plain symbols: the scalar path sorts it out.
-                for &b in quads {
+                for (k, &b) in quads.iter().enumerate() {
+                    if !(0x20..0x80).contains(&b) {
+                        first_odd.get_or_insert(at + k);
+                    }
                     self.symbol(b, sink);
                 }
-                rest = tail;
             }
+            at += quads.len();
         }
+        first_odd
     }
 
     /// Decodes whole quads of plain symbols of one alphabet; false (and nothing done) when
@@ -326,13 +333,59 @@ impl Base64Stream {
 /// Decodes `quads` (a multiple of 4 symbols, no padding) into `dst` with the standard
 /// alphabet, else with the URL-safe one. Returns the bytes written and whether it was the
 /// standard alphabet; `None` when neither alphabet decodes every symbol.
+///
+/// `base64-simd` where it wins (docs/BENCHMARKS.md, "Base64"): natively (it picks AVX2/SSE4.1
+/// or NEON at run time) and in wasm built with `+simd128`; the table loop below in wasm
+/// without SIMD, where `base64-simd`'s own fallback is no faster.
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "simd128"))))]
 fn decode_quads(quads: &[u8], dst: &mut [u8]) -> Option<(usize, bool)> {
+    decode_quads_simd(quads, dst)
+}
+
+#[cfg(all(target_arch = "wasm32", not(target_feature = "simd128")))]
+fn decode_quads(quads: &[u8], dst: &mut [u8]) -> Option<(usize, bool)> {
+    decode_quads_scalar(quads, dst)
+}
+
+#[cfg_attr(
+    all(target_arch = "wasm32", not(target_feature = "simd128")),
+    allow(dead_code)
+)]
+fn decode_quads_simd(quads: &[u8], dst: &mut [u8]) -> Option<(usize, bool)> {
+    // The `_NO_PAD` engines: `=` is never accepted inside a block (padding is only legal
+    // among the last symbols, which the scalar path handles).
+    let need = quads.len() / 4 * 3;
+    let dst = dst.get_mut(..need)?;
+    if base64_simd::STANDARD_NO_PAD
+        .decode(quads, base64_simd::Out::from_slice(&mut *dst))
+        .is_ok()
+    {
+        return Some((need, true));
+    }
+    if base64_simd::URL_SAFE_NO_PAD
+        .decode(quads, base64_simd::Out::from_slice(dst))
+        .is_ok()
+    {
+        return Some((need, false));
+    }
+    None
+}
+
+#[cfg_attr(
+    not(all(target_arch = "wasm32", not(target_feature = "simd128"))),
+    allow(dead_code)
+)]
+fn decode_quads_scalar(quads: &[u8], dst: &mut [u8]) -> Option<(usize, bool)> {
     if let Some(n) = decode_with(&STANDARD, quads, dst) {
         return Some((n, true));
     }
     decode_with(&URL_SAFE, quads, dst).map(|n| (n, false))
 }
 
+#[cfg_attr(
+    not(all(target_arch = "wasm32", not(target_feature = "simd128"))),
+    allow(dead_code)
+)]
 fn decode_with(table: &[u8; 256], quads: &[u8], dst: &mut [u8]) -> Option<usize> {
     let mut written = 0;
     for (q, out) in quads.chunks_exact(4).zip(dst.chunks_exact_mut(3)) {
@@ -485,6 +538,27 @@ mod tests {
             cuts in prop::collection::vec(any::<usize>(), 0..5),
         ) {
             prop_assert_eq!(streamed(&p, &cuts), reference(&p));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_simd_and_table_block_decoders_agree(
+            quads in prop::collection::vec(
+                prop_oneof![
+                    20 => prop::sample::select(b"ABCXYZabcxyz0189+/-_".to_vec()),
+                    1 => any::<u8>(),
+                ],
+                0..40,
+            ).prop_map(|mut v| { v.truncate(v.len() / 4 * 4); v }),
+        ) {
+            let (mut a, mut b) = ([0u8; 30], [0u8; 30]);
+            let simd = decode_quads_simd(&quads, &mut a);
+            let table = decode_quads_scalar(&quads, &mut b);
+            prop_assert_eq!(simd, table);
+            if let Some((n, _)) = simd {
+                prop_assert_eq!(&a[..n], &b[..n]);
+            }
         }
     }
 

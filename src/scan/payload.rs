@@ -46,8 +46,8 @@ impl Decode {
         })
     }
 
-    fn feed(&mut self, bytes: &[u8]) {
-        self.stream.feed(bytes, &mut self.digest);
+    fn feed(&mut self, bytes: &[u8]) -> Option<usize> {
+        self.stream.feed(bytes, &mut self.digest)
     }
 
     fn finish(self) -> MediaContent {
@@ -152,19 +152,26 @@ impl Payload {
     }
 
     /// More bytes of the (unescaped) string. `image` says whether a data URL here is an image.
-    pub(super) fn feed(&mut self, mut bytes: &[u8], image: bool) {
-        while !bytes.is_empty() {
+    /// Returns the index of the first byte not seen to be printable ASCII (see
+    /// [`crate::scan::json::Handler::string_run`]).
+    pub(super) fn feed(&mut self, bytes: &[u8], image: bool) -> Option<usize> {
+        let mut at = 0;
+        let mut first_odd = None;
+        while let Some(rest) = bytes.get(at..).filter(|r| !r.is_empty()) {
             match self {
                 Payload::Prefix { bytes: prefix, got } => {
-                    let Some((&b, rest)) = bytes.split_first() else {
-                        return;
+                    let Some(&b) = rest.first() else {
+                        break;
                     };
+                    if !(0x20..0x80).contains(&b) {
+                        first_odd.get_or_insert(at);
+                    }
+                    at += 1;
                     let expected = b"data:".get(*got).copied().unwrap_or(0);
                     if let Some(slot) = prefix.get_mut(*got) {
                         *slot = b;
                     }
                     *got += 1;
-                    bytes = rest;
                     if !b.eq_ignore_ascii_case(&expected) {
                         let kept = prefix.get(..*got).unwrap_or_default().to_vec();
                         *self = Payload::Url(kept);
@@ -176,14 +183,17 @@ impl Payload {
                     }
                 }
                 Payload::Url(kept) => {
-                    kept.extend_from_slice(bytes);
-                    return;
+                    kept.extend_from_slice(rest);
+                    return first_odd.or(Some(at));
                 }
                 Payload::Meta { segment, pending } => {
-                    let Some((&b, rest)) = bytes.split_first() else {
-                        return;
+                    let Some(&b) = rest.first() else {
+                        break;
                     };
-                    bytes = rest;
+                    if !(0x20..0x80).contains(&b) {
+                        first_odd.get_or_insert(at);
+                    }
+                    at += 1;
                     // The metadata is short; characters are decoded one at a time.
                     if let Some(slot) = pending.bytes.get_mut(pending.len) {
                         *slot = b;
@@ -211,12 +221,13 @@ impl Payload {
                     }
                 }
                 Payload::Data(decode) => {
-                    decode.feed(bytes);
-                    return;
+                    let odd = decode.feed(rest).map(|k| at + k);
+                    return first_odd.or(odd);
                 }
-                Payload::NotBase64 | Payload::Unread => return,
+                Payload::NotBase64 | Payload::Unread => return first_odd.or(Some(at)),
             }
         }
+        first_odd
     }
 
     /// The string ended: what the item's content is, or `None` when it was not read.

@@ -182,6 +182,7 @@ const RAW: Mode = Mode {
     strict: true,
     content: false,
     raw: true,
+    bulk: false,
 };
 
 impl Shape {
@@ -367,7 +368,7 @@ impl Shape {
                     field,
                     payload: Payload::url(self.decoding()),
                 };
-                Mode::CONTENT
+                Mode::BULK
             }
             (FieldShape::Url, Kind::Object) => {
                 self.payload_seen = false;
@@ -402,7 +403,7 @@ impl Shape {
                     Payload::url(decode)
                 };
                 self.sink = Sink::Payload { field, payload };
-                Mode::CONTENT
+                Mode::BULK
             }
             (Key::Payload, _) => self.skip(kind, true, Then::SetField(field, Value::Bad)),
             _ => self.skip(kind, true, Then::Nothing),
@@ -738,10 +739,20 @@ impl Handler for Shape {
         }
         match &mut self.sink {
             Sink::Capture(_) => self.text.extend_from_slice(bytes),
-            Sink::Payload { field, payload } => payload.feed(bytes, *field == Field::ImageUrl),
+            Sink::Payload { field, payload } => {
+                payload.feed(bytes, *field == Field::ImageUrl);
+            }
             Sink::None => {}
         }
         Ok(())
+    }
+
+    fn string_run(&mut self, run: &[u8]) -> Result<Option<usize>, RequestError> {
+        if let Sink::Payload { field, payload } = &mut self.sink {
+            return Ok(payload.feed(run, *field == Field::ImageUrl));
+        }
+        self.string_bytes(run)?;
+        Ok(Some(0))
     }
 
     fn string_char(&mut self, c: char) -> Result<(), RequestError> {
