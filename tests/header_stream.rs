@@ -5,7 +5,7 @@
 #[path = "support/reference_image_header.rs"]
 mod reference;
 
-use mmrouter::image_header::{HeaderError, HeaderReader, ImageInfo, read_image_header};
+use mmrouter::image_header::{EXIF_CAP, HeaderError, HeaderReader, ImageInfo, read_image_header};
 use proptest::prelude::*;
 use std::path::PathBuf;
 
@@ -142,4 +142,135 @@ proptest! {
         let cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
         prop_assert_eq!(in_pieces(&bytes, &cuts), want, "{} {:?} cut {:?}", name, mutations, cuts);
     }
+}
+
+// ------------------------------------------------------------------ hand-made files
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in data {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// A 37x23 PNG with the given extra chunks between IHDR and IDAT.
+fn png_with(chunks: &[(&[u8; 4], Vec<u8>)]) -> Vec<u8> {
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut chunk = |kind: &[u8], data: &[u8]| {
+        png.extend((data.len() as u32).to_be_bytes());
+        let mut body = kind.to_vec();
+        body.extend(data);
+        png.extend(&body);
+        png.extend(crc32(&body).to_be_bytes());
+    };
+    let mut ihdr = 37u32.to_be_bytes().to_vec();
+    ihdr.extend(23u32.to_be_bytes());
+    ihdr.extend([8, 2, 0, 0, 0]);
+    chunk(b"IHDR", &ihdr);
+    for (kind, data) in chunks {
+        chunk(&kind[..], data);
+    }
+    chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01]);
+    chunk(b"IEND", &[]);
+    png
+}
+
+/// A little-endian TIFF whose IFD0, at `ifd`, holds orientation 6; `len` bytes in all.
+fn tiff_orientation_6(ifd: usize, len: usize) -> Vec<u8> {
+    let mut t = vec![0u8; len.max(ifd + 18)];
+    t[..4].copy_from_slice(b"II*\0");
+    t[4..8].copy_from_slice(&(ifd as u32).to_le_bytes());
+    t[ifd..ifd + 2].copy_from_slice(&1u16.to_le_bytes());
+    let e = ifd + 2;
+    t[e..e + 2].copy_from_slice(&0x0112u16.to_le_bytes());
+    t[e + 2..e + 4].copy_from_slice(&3u16.to_le_bytes());
+    t[e + 4..e + 8].copy_from_slice(&1u32.to_le_bytes());
+    t[e + 8..e + 10].copy_from_slice(&6u16.to_le_bytes());
+    t
+}
+
+#[test]
+fn a_large_exif_payload_is_read_from_its_first_64_kib() {
+    // IFD0 right after the TIFF header, 100 KiB of payload after it: as before, in any cuts.
+    let near = png_with(&[(b"eXIf", tiff_orientation_6(8, 100 << 10))]);
+    let want = reference::read_image_header(&near);
+    assert_eq!(want.as_ref().map(|i| (i.width, i.height)), Ok((23, 37)));
+    assert_eq!(read_image_header(&near), want);
+    assert_eq!(in_pieces(&near, &[100, 5000, 70_000]), want);
+    // IFD0 past the first 64 KiB: the one documented divergence, the stored size.
+    let far = png_with(&[(b"eXIf", tiff_orientation_6(EXIF_CAP + 100, EXIF_CAP + 200))]);
+    let old = reference::read_image_header(&far).unwrap();
+    assert_eq!((old.width, old.height), (23, 37));
+    let new = read_image_header(&far).unwrap();
+    assert_eq!((new.width, new.height), (37, 23));
+    assert_eq!(in_pieces(&far, &[100, 5000, 70_000]), Ok(new));
+}
+
+/// A GIF whose application extension `name` carries `payload` bytes before the image.
+fn gif_with_application(name: &[u8; 11], payload: usize) -> Vec<u8> {
+    let mut gif = b"GIF89a".to_vec();
+    gif.extend(37u16.to_le_bytes());
+    gif.extend(23u16.to_le_bytes());
+    gif.extend([0x80, 0, 0, 0, 0, 0, 255, 255, 255]);
+    gif.extend([0x21, 0xFF, 11]);
+    gif.extend(name);
+    let mut left = payload;
+    while left > 0 {
+        let n = left.min(255);
+        gif.push(n as u8);
+        gif.extend(std::iter::repeat_n(b'x', n));
+        left -= n;
+    }
+    gif.push(0);
+    gif.extend([0x2C, 0, 0, 0, 0]);
+    gif.extend(37u16.to_le_bytes());
+    gif.extend(23u16.to_le_bytes());
+    gif.extend([0, 2, 2, 0x4C, 0x01, 0, 0x3B]);
+    gif
+}
+
+#[test]
+fn gif_metadata_over_the_limit_fails_as_it_did_whole_and_in_pieces() {
+    for (name, payload) in [
+        (b"XMP DataXMP", 1 << 19),
+        (b"XMP DataXMP", 1 << 20),
+        (b"ICCRGBG1012", (1 << 20) + 1),
+        (b"ICCRGBG1012", (1 << 20) + 2),
+        (b"NETSCAPE2.0", 3 << 20),
+    ] {
+        let gif = gif_with_application(name, payload);
+        let want = reference::read_image_header(&gif);
+        assert_eq!(read_image_header(&gif), want, "{payload}");
+        assert_eq!(
+            in_pieces(&gif, &[7, 300, 70_000, 1 << 20]),
+            want,
+            "{payload}"
+        );
+    }
+    let over = reference::read_image_header(&gif_with_application(b"XMP DataXMP", 1 << 20));
+    assert!(matches!(over, Err(HeaderError::Corrupt(_, ref m)) if m == "Memory limit reached"));
+}
+
+#[test]
+fn an_animation_frame_larger_than_the_file_reads_as_the_webp_crate_reads_it() {
+    // Found by the mutation test: the crate reads the first frame's second sub-chunk header
+    // from where the first header ended, not from where the first sub-chunk ends.
+    let mut b = std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/images/webp_animated_47x25.webp"),
+    )
+    .unwrap();
+    b.splice(48..48, [0u8, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0]);
+    let want = reference::read_image_header(&b);
+    assert!(want.is_ok());
+    assert_eq!(read_image_header(&b), want);
+    assert_eq!(byte_by_byte(&b), want);
 }

@@ -195,6 +195,12 @@ impl Whole {
             let end = piece.len().min(EXIF_CAP);
             return (n, Some(done(piece.get(..end).unwrap_or_default())));
         }
+        if self.kept.capacity() == 0 {
+            // One allocation of what will be kept.
+            let total = self.remaining + n as u64;
+            self.kept
+                .reserve_exact(usize::try_from(total).unwrap_or(EXIF_CAP).min(EXIF_CAP));
+        }
         let room = EXIF_CAP.saturating_sub(self.kept.len());
         self.kept
             .extend_from_slice(piece.get(..room.min(piece.len())).unwrap_or_default());

@@ -234,8 +234,10 @@ impl HeaderReader {
         }
         match &mut self.state {
             Reader::Sniffing { head, len } => {
-                let take = (SNIFF_LEN - *len).min(bytes.len());
-                if let (Some(dst), Some(src)) = (head.get_mut(*len..*len + take), bytes.get(..take))
+                let earlier = *len;
+                let take = (SNIFF_LEN - earlier).min(bytes.len());
+                if let (Some(dst), Some(src)) =
+                    (head.get_mut(earlier..earlier + take), bytes.get(..take))
                 {
                     dst.copy_from_slice(src);
                 }
@@ -244,8 +246,15 @@ impl HeaderReader {
                     return;
                 }
                 let head = *head;
-                self.state = Reader::start(&head);
-                self.feed(bytes.get(take..).unwrap_or_default());
+                if earlier == 0 {
+                    // All of the head is in this piece: the reader gets the piece whole, so a
+                    // segment near the start is still read in place.
+                    self.state = Reader::unfed(&head);
+                    self.feed(bytes);
+                } else {
+                    self.state = Reader::start(&head);
+                    self.feed(bytes.get(take..).unwrap_or_default());
+                }
             }
             Reader::Png(r) => r.feed(bytes),
             Reader::Jpeg(r) => r.feed(bytes),
@@ -289,13 +298,7 @@ impl Reader {
     /// The reader for the format that `head` (the file's first bytes: all of them when the
     /// file is shorter than [`SNIFF_LEN`]) starts, already fed `head`.
     fn start(head: &[u8]) -> Reader {
-        let mut reader = match sniff(head) {
-            Ok(ImageFormat::Png) => Reader::Png(png::PngReader::new()),
-            Ok(ImageFormat::Jpeg) => Reader::Jpeg(jpeg::JpegReader::new()),
-            Ok(ImageFormat::Webp) => Reader::Webp(webp::WebpReader::new()),
-            Ok(ImageFormat::Gif) => Reader::Gif(Box::new(gif::GifReader::new())),
-            Err(e) => return Reader::Failed(e),
-        };
+        let mut reader = Reader::unfed(head);
         match &mut reader {
             Reader::Png(r) => r.feed(head),
             Reader::Jpeg(r) => r.feed(head),
@@ -304,6 +307,17 @@ impl Reader {
             Reader::Sniffing { .. } | Reader::Failed(_) => {}
         }
         reader
+    }
+
+    /// The reader for the format that `head` starts, not fed yet.
+    fn unfed(head: &[u8]) -> Reader {
+        match sniff(head) {
+            Ok(ImageFormat::Png) => Reader::Png(png::PngReader::new()),
+            Ok(ImageFormat::Jpeg) => Reader::Jpeg(jpeg::JpegReader::new()),
+            Ok(ImageFormat::Webp) => Reader::Webp(webp::WebpReader::new()),
+            Ok(ImageFormat::Gif) => Reader::Gif(Box::new(gif::GifReader::new())),
+            Err(e) => Reader::Failed(e),
+        }
     }
 }
 

@@ -245,63 +245,87 @@ fn syntax(message: &str, at: usize) -> RequestError {
     RequestError::Json(format!("{message} at byte {at}"))
 }
 
-#[cfg(all(target_arch = "wasm32", not(target_feature = "simd128")))]
-const fn repeat(b: u8) -> u64 {
-    u64::from_ne_bytes([b; 8])
-}
-
 /// Length of the prefix of `b` with no quote, backslash or control byte, nor (when `ascii`)
 /// a byte >= 0x80.
 ///
 /// 32 bytes at a time with a branch-free test that the compiler vectorises (SSE2 natively,
 /// simd128 in wasm built with it); in wasm without SIMD, eight bytes at a time in a `u64`, as
 /// serde_json scans strings.
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "simd128"))))]
 fn plain_len(b: &[u8], ascii: bool) -> usize {
+    plain_len_blocks(b, ascii)
+}
+
+#[cfg(all(target_arch = "wasm32", not(target_feature = "simd128")))]
+fn plain_len(b: &[u8], ascii: bool) -> usize {
+    plain_len_swar(b, ascii)
+}
+
+fn is_special(c: u8, ascii: bool) -> bool {
+    c < 0x20 || c == b'"' || c == b'\\' || (ascii && c >= 0x80)
+}
+
+#[cfg_attr(
+    all(target_arch = "wasm32", not(target_feature = "simd128")),
+    allow(dead_code)
+)]
+fn plain_len_blocks(b: &[u8], ascii: bool) -> usize {
+    let high: u8 = if ascii { 0x80 } else { 0 };
     let mut i = 0;
-    #[cfg(not(all(target_arch = "wasm32", not(target_feature = "simd128"))))]
-    {
-        let high: u8 = if ascii { 0x80 } else { 0 };
-        for chunk in b.chunks_exact(32) {
-            let mut hits = 0u8;
-            for &c in chunk {
-                hits |=
-                    u8::from(c < 0x20) | u8::from(c == b'"') | u8::from(c == b'\\') | (c & high);
-            }
-            if hits != 0 {
-                break;
-            }
-            i += 32;
+    for chunk in b.chunks_exact(32) {
+        let mut hits = 0u8;
+        for &c in chunk {
+            hits |= u8::from(c < 0x20) | u8::from(c == b'"') | u8::from(c == b'\\') | (c & high);
         }
-    }
-    #[cfg(all(target_arch = "wasm32", not(target_feature = "simd128")))]
-    {
-        const ONES: u64 = repeat(0x01);
-        const HIGH: u64 = repeat(0x80);
-        let high = if ascii { HIGH } else { 0 };
-        for chunk in b.chunks_exact(8) {
-            let Ok(bytes) = <[u8; 8]>::try_from(chunk) else {
-                break;
-            };
-            let x = u64::from_le_bytes(bytes);
-            let ctrl = x.wrapping_sub(repeat(0x20)) & !x;
-            let q = x ^ repeat(b'"');
-            let quote = q.wrapping_sub(ONES) & !q;
-            let s = x ^ repeat(b'\\');
-            let slash = s.wrapping_sub(ONES) & !s;
-            let hits = ((ctrl | quote | slash) & HIGH) | (x & high);
-            if hits != 0 {
-                return i + (hits.trailing_zeros() / 8) as usize;
-            }
-            i += 8;
-        }
-    }
-    while let Some(&c) = b.get(i) {
-        if c < 0x20 || c == b'"' || c == b'\\' || (ascii && c >= 0x80) {
+        if hits != 0 {
             break;
         }
-        i += 1;
+        i += 32;
     }
-    i
+    i + b
+        .get(i..)
+        .unwrap_or_default()
+        .iter()
+        .take_while(|&&c| !is_special(c, ascii))
+        .count()
+}
+
+const fn repeat(b: u8) -> u64 {
+    u64::from_ne_bytes([b; 8])
+}
+
+#[cfg_attr(
+    not(all(target_arch = "wasm32", not(target_feature = "simd128"))),
+    allow(dead_code)
+)]
+fn plain_len_swar(b: &[u8], ascii: bool) -> usize {
+    const ONES: u64 = repeat(0x01);
+    const HIGH: u64 = repeat(0x80);
+    let high = if ascii { HIGH } else { 0 };
+    let mut i = 0;
+    for chunk in b.chunks_exact(8) {
+        let Ok(bytes) = <[u8; 8]>::try_from(chunk) else {
+            break;
+        };
+        let x = u64::from_le_bytes(bytes);
+        // Bytes below 0x20, equal to `"`, equal to `\`: the lowest flagged byte is exact.
+        let ctrl = x.wrapping_sub(repeat(0x20)) & !x;
+        let q = x ^ repeat(b'"');
+        let quote = q.wrapping_sub(ONES) & !q;
+        let s = x ^ repeat(b'\\');
+        let slash = s.wrapping_sub(ONES) & !s;
+        let hits = ((ctrl | quote | slash) & HIGH) | (x & high);
+        if hits != 0 {
+            return i + (hits.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    i + b
+        .get(i..)
+        .unwrap_or_default()
+        .iter()
+        .take_while(|&&c| !is_special(c, ascii))
+        .count()
 }
 
 impl Lexer {
@@ -889,4 +913,25 @@ fn out_of_range(num: &Num) -> bool {
     // power of ten, which is the correctly rounded literal `1e{exponent}`.
     let pow: f64 = format!("1e{exponent}").parse().unwrap_or(f64::INFINITY);
     (num.significand as f64 * pow).is_infinite()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn both_string_scans_stop_at_the_first_special_byte(
+            b in prop::collection::vec(
+                prop_oneof![8 => 0x20u8..0x7f, 1 => any::<u8>()],
+                0..100,
+            ),
+            ascii in any::<bool>(),
+        ) {
+            let want = b.iter().take_while(|&&c| !is_special(c, ascii)).count();
+            prop_assert_eq!(plain_len_blocks(&b, ascii), want);
+            prop_assert_eq!(plain_len_swar(&b, ascii), want);
+        }
+    }
 }
