@@ -62,6 +62,24 @@
 //!
 //! Each media item records [`MediaSite`]: the body offset just after its part object's `{`
 //! and whether the part has a `uuid` key, so a `"uuid": "...",` can be inserted there.
+//!
+//! # Against the serde parser it replaced
+//!
+//! On every body that parser accepted, the scan gives the same prompt and media, and the
+//! analysis the same reports and block keys (`tests/scan.rs` checks it against that parser,
+//! kept as the mock worker's, on generated bodies and every fixture, whole and in pieces).
+//! Where it differs, on purpose:
+//!
+//! - content parts it refused are skipped (above), and the part shapes it did not know are read;
+//! - an array where a struct was expected (serde's positional form, `["model", [...]]`) is a
+//!   `Shape` error: no client sends one, and vLLM refuses it;
+//! - the first error in the body's order is reported. The old parser ran its nesting check over
+//!   the whole body before parsing, and judged `content`/`prompt` only once read whole, so on a
+//!   body with two faults it may have named the other one; a body with one fault gets the same
+//!   [`crate::analysis::AnalyzeError::reason`]. `TooManyMedia` comes as the part over the limit
+//!   closes, not after the whole body;
+//! - `Json` and `Shape` messages are the scanner's own (with the byte offset); base64 and image
+//!   header errors are word for word the same.
 
 mod base64;
 mod json;
