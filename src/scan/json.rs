@@ -367,7 +367,7 @@ impl Lexer {
         {
             // Its text went out with the last piece.
             self.raw = None;
-            self.end_number(num, h)?;
+            self.end_number(num, self.offset, h)?;
         }
         let at = self.offset;
         match self.state {
@@ -866,7 +866,7 @@ impl Lexer {
             // Any other byte ends the number; it is read again in the state after it.
             (NumPhase::Zero | NumPhase::Int | NumPhase::Frac | NumPhase::Exp, _) => {
                 self.end_raw(piece, i, h);
-                self.end_number(num, h)?;
+                self.end_number(num, at, h)?;
                 return Ok(i);
             }
         };
@@ -874,9 +874,15 @@ impl Lexer {
         Ok(i + 1)
     }
 
-    fn end_number<H: Handler>(&mut self, num: Num, h: &mut H) -> Result<(), RequestError> {
+    /// The number ends before body offset `at`.
+    fn end_number<H: Handler>(
+        &mut self,
+        num: Num,
+        at: usize,
+        h: &mut H,
+    ) -> Result<(), RequestError> {
         if self.mode.strict && out_of_range(&num) {
-            return Err(syntax("number out of range", self.offset));
+            return Err(syntax("number out of range", at));
         }
         let unsigned =
             (!num.negative && !num.fraction_or_exponent && !num.long).then_some(num.significand);
