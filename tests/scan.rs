@@ -668,6 +668,10 @@ proptest! {
             (Ok(o), Ok(n)) => prop_assert!(same(o, n), "{}", show(&bytes)),
             // Parts the old parser refused are skipped now: anything may follow.
             (Err(o), _) if matches!(o.reason(), "bad_request" | "bad_shape") => {}
+            // An array where a struct goes: serde read it positionally (`[]` is a message with
+            // no fields) and found the syntax error after it; the scanner refuses the array.
+            (Err(o), Err(n))
+                if o.reason() == "bad_json" && n.to_string().contains("invalid type: sequence") => {}
             (Err(o @ AnalyzeError::Media { .. }), Err(n)) => prop_assert_eq!(o, n),
             (Err(o), Err(n)) => prop_assert_eq!(o.reason(), n.reason(), "{}\nold {}\nnew {}", show(&bytes), o, n),
             _ => prop_assert!(false, "{}\nold {:?}\nnew {:?}", show(&bytes), old, new),
