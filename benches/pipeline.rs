@@ -9,12 +9,13 @@
 //!
 //! - `analyze/<case>`: `mmrouter::analysis::analyze`, default configuration; throughput in
 //!   bytes of body.
-//! - `parts/<part>/<case>`: each step alone, on the inputs `analyze` gives it:
-//!   `parse` (JSON → `Request`, borrowing; bytes of body), `base64` (`decode_base64` of each
-//!   data-URL payload, allocating its output as `analyze` does; bytes of base64),
-//!   `xxh3_128` (`MediaId::of_bytes` of each file: hash and hex; bytes of file), `header`
-//!   (`read_image_header` + the profile's token count, per request), `layout` (the block
-//!   layout and key chain of the request; per request).
+//! - `analyze_pieces/<case>`: `mmrouter::analysis::Analyzer` fed the body in 16 KiB pieces, as
+//!   a proxy receives it; bytes of body.
+//! - `parts/<part>/<case>`: each step alone, on the inputs `analyze` gives it: `scan` (the
+//!   single pass over the body: JSON, base64 decode, xxh3-128 and header of every inline image;
+//!   bytes of body), `xxh3_128` (`MediaId::of_bytes` of each file: hash and hex; bytes of
+//!   file), `header` (`read_image_header` + the profile's token count, per request), `layout`
+//!   (the block layout and key chain of the request; per request).
 //! - `floor/<what>/<case>`: `copy` (the body copied once, as the filter's `get_buffer` does),
 //!   `base64_reused` (decode into a reused buffer) and `base64_xxh3` (decode into a reused
 //!   buffer + xxh3-128): what no router that hashes the image bytes can beat; bytes of body.
@@ -25,27 +26,18 @@ mod cases;
 use base64::Engine as _;
 use cases::Case;
 use criterion::{Criterion, Throughput};
-use mmrouter::analysis::analyze;
+use mmrouter::analysis::{Analyzer, analyze};
 use mmrouter::config::RouterConfig;
-use mmrouter::identity::{MediaId, decode_base64};
+use mmrouter::identity::MediaId;
 use mmrouter::image_header::read_image_header;
 use mmrouter::layout::{PlacedMedia, layout};
-use mmrouter::request::{Limits, MediaSource, parse};
+use mmrouter::request::Limits;
+use mmrouter::scan::scan;
 use std::hint::black_box;
 use xxhash_rust::xxh3::xxh3_128;
 
-/// The data-URL payloads of a body, as the parser hands them to `decode_base64`.
-fn payloads(body: &[u8]) -> Vec<String> {
-    let Ok(req) = parse(body, &Limits::default()) else {
-        panic!("parse")
-    };
-    req.media()
-        .filter_map(|m| match &m.source {
-            MediaSource::DataUrl { payload, .. } => Some(payload.to_string()),
-            _ => None,
-        })
-        .collect()
-}
+/// The piece size of `analyze_pieces` (Envoy hands the body over in buffers of this order).
+const PIECE: usize = 16 * 1024;
 
 fn bench_analyze(c: &mut Criterion, cases: &[Case], config: &RouterConfig) {
     let mut g = c.benchmark_group("analyze");
@@ -60,6 +52,22 @@ fn bench_analyze(c: &mut Criterion, cases: &[Case], config: &RouterConfig) {
         });
     }
     g.finish();
+    let mut g = c.benchmark_group("analyze_pieces");
+    for case in cases {
+        g.throughput(Throughput::Bytes(case.body.len() as u64));
+        g.bench_function(case.name, |b| {
+            b.iter(|| {
+                let mut a = Analyzer::new(config);
+                for piece in black_box(&case.body).chunks(PIECE) {
+                    if a.feed(piece).is_err() {
+                        break;
+                    }
+                }
+                a.finish(config).map(|a| a.layout.keys.len())
+            })
+        });
+    }
+    g.finish();
 }
 
 fn bench_parts(c: &mut Criterion, cases: &[Case], config: &RouterConfig) {
@@ -67,28 +75,18 @@ fn bench_parts(c: &mut Criterion, cases: &[Case], config: &RouterConfig) {
     let mut g = c.benchmark_group("parts");
     for case in cases {
         g.throughput(Throughput::Bytes(case.body.len() as u64));
-        g.bench_function(format!("parse/{}", case.name), |b| {
-            b.iter(|| parse(black_box(&case.body), &limits).map(|r| r.messages.len()))
+        g.bench_function(format!("scan/{}", case.name), |b| {
+            b.iter(|| scan(black_box(&case.body), &limits).map(|r| r.media.len()))
         });
 
-        let Ok(request) = parse(&case.body, &limits) else {
-            panic!("parse")
+        let Ok(scanned) = scan(&case.body, &limits) else {
+            panic!("scan")
         };
+        let request = scanned.prompt;
         let Ok(profile) = config.profiles.resolve(&request.model) else {
             panic!("profile")
         };
         if !case.images.is_empty() {
-            let payloads = payloads(&case.body);
-            assert_eq!(payloads.len(), case.images.len());
-            let b64: usize = payloads.iter().map(String::len).sum();
-            g.throughput(Throughput::Bytes(b64 as u64));
-            g.bench_function(format!("base64/{}", case.name), |b| {
-                b.iter(|| {
-                    for p in &payloads {
-                        black_box(decode_base64(black_box(p)).map(|v| v.len()).ok());
-                    }
-                })
-            });
             let file_bytes: usize = case.images.iter().map(|i| i.file.len()).sum();
             g.throughput(Throughput::Bytes(file_bytes as u64));
             g.bench_function(format!("xxh3_128/{}", case.name), |b| {

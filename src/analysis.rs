@@ -1,13 +1,17 @@
-//! One request body through the first five steps: parse, identify, size, count tokens, lay out.
+//! One request body through the first five steps: scan (which identifies and sizes every
+//! inline image as its bytes arrive), count tokens, lay out.
 //!
 //! The result is everything routing needs (the block keys) and everything a person wants to
-//! see (`mmrouter inspect`, the browser demo).
+//! see (`mmrouter inspect`, the browser demo). [`analyze`] takes a body held whole;
+//! [`Analyzer`] takes it in pieces as a proxy receives it (the profile, which depends on the
+//! `model` field that may come last, is applied at [`Analyzer::finish`]).
 
 use crate::config::{ConfigError, RouterConfig};
-use crate::identity::{DecodeError, MediaId, decode_base64};
+use crate::identity::{DecodeError, MediaId};
 use crate::image_header::{HeaderError, ImageFormat, read_image_header};
 use crate::layout::{Layout, PlacedMedia, layout};
-use crate::request::{MediaKind, MediaPart, MediaSource, RequestError, parse};
+use crate::request::{MediaKind, RequestError};
+use crate::scan::{BodyScanner, MediaContent, MediaSite, ScannedBody, ScannedMedia, SkippedPart};
 use crate::tokens::{ImageTokens, Profile, TokenError};
 use std::fmt;
 
@@ -76,6 +80,13 @@ pub struct Analysis {
     pub stream: bool,
     pub media: Vec<MediaReport>,
     pub layout: Layout,
+    /// Where each media item's part sits in the body (`sites[i]` is `media[i]`'s), for
+    /// stamping a `uuid` into it.
+    pub sites: Vec<MediaSite>,
+    /// Content parts that were skipped (the first [`crate::scan::MAX_SKIPPED_KEPT`]), and how
+    /// many there were in all.
+    pub skipped: Vec<SkippedPart>,
+    pub skipped_count: usize,
 }
 
 /// Why a media item could not be analysed.
@@ -173,31 +184,91 @@ pub fn analyze_with(
     config: &RouterConfig,
     overrides: Overrides<'_>,
 ) -> Result<Analysis, AnalyzeError> {
-    let mut request = parse(body, &config.limits).map_err(AnalyzeError::Request)?;
+    let mut analyzer = Analyzer::new(config);
+    analyzer.feed(body)?;
+    analyzer.finish_with(config, overrides)
+}
+
+/// An analysis fed the body in pieces as it arrives: every piece is scanned (and its image
+/// bytes hashed) when it is fed, so [`Analyzer::finish`] has only the layout left to do.
+///
+/// Memory: what [`crate::scan`] documents; the body itself is never held.
+#[derive(Debug)]
+pub struct Analyzer {
+    scanner: BodyScanner,
+}
+
+impl Analyzer {
+    /// Starts an analysis under `config.limits`.
+    pub fn new(config: &RouterConfig) -> Analyzer {
+        Analyzer {
+            scanner: BodyScanner::new(&config.limits),
+        }
+    }
+
+    /// The next piece of the body. An error is final: every later call returns it again.
+    pub fn feed(&mut self, piece: &[u8]) -> Result<(), AnalyzeError> {
+        self.scanner.feed(piece).map_err(AnalyzeError::Request)
+    }
+
+    /// Bytes fed so far.
+    pub fn bytes_seen(&self) -> usize {
+        self.scanner.bytes_seen()
+    }
+
+    /// The end of the body: profile, tokens and layout. `config` should be the one the
+    /// analyzer was started with.
+    pub fn finish(self, config: &RouterConfig) -> Result<Analysis, AnalyzeError> {
+        self.finish_with(config, Overrides::default())
+    }
+
+    /// [`Analyzer::finish`] with caller overrides.
+    pub fn finish_with(
+        self,
+        config: &RouterConfig,
+        overrides: Overrides<'_>,
+    ) -> Result<Analysis, AnalyzeError> {
+        let body = self.scanner.finish().map_err(AnalyzeError::Request)?;
+        analysis_of(body, config, overrides)
+    }
+}
+
+fn analysis_of(
+    body: ScannedBody,
+    config: &RouterConfig,
+    overrides: Overrides<'_>,
+) -> Result<Analysis, AnalyzeError> {
+    let ScannedBody {
+        mut prompt,
+        stream,
+        media: scanned,
+        skipped,
+        skipped_count,
+    } = body;
     if let Some(model) = overrides.model {
-        request.model = model.into();
+        prompt.model = model.into();
     }
     let profile = match overrides.profile {
         Some(p) => p.clone(),
         None => config
             .profiles
-            .resolve(&request.model)
+            .resolve(&prompt.model)
             .map_err(AnalyzeError::Profile)?,
     };
-    let mut media = Vec::new();
+    let mut media = Vec::with_capacity(scanned.len());
     let mut media_tokens = 0u64;
-    for part in request.media() {
+    for item in &scanned {
         let report =
-            describe_part(part, &profile, &config.media).map_err(|error| AnalyzeError::Media {
-                index: part.index,
-                kind: part.kind,
+            describe_media(item, &profile, &config.media).map_err(|error| AnalyzeError::Media {
+                index: item.index,
+                kind: item.kind,
                 error,
             })?;
         media_tokens += u64::from(report.tokens.tokens) + u64::from(report.tokens.markers);
         if media_tokens > config.limits.max_media_tokens {
             return Err(AnalyzeError::Media {
-                index: part.index,
-                kind: part.kind,
+                index: item.index,
+                kind: item.kind,
                 error: MediaError::Tokens(TokenError::BadSize(format!(
                     "the request's media take more than limits.max_media_tokens ({})",
                     config.limits.max_media_tokens
@@ -213,13 +284,16 @@ pub fn analyze_with(
             tokens: m.tokens,
         })
         .collect();
-    let layout = layout(&request, &placed, config.block_size);
+    let layout = layout(&prompt, &placed, config.block_size);
     Ok(Analysis {
-        model: request.model.into_owned(),
+        model: prompt.model,
         profile,
-        stream: request.stream,
+        stream,
         media,
         layout,
+        sites: scanned.iter().map(|m| m.site).collect(),
+        skipped,
+        skipped_count,
     })
 }
 
@@ -241,48 +315,71 @@ pub fn describe_image(bytes: &[u8], profile: &Profile) -> Result<MediaReport, Me
     })
 }
 
-fn describe_part(
-    part: &MediaPart<'_>,
+fn describe_media(
+    item: &ScannedMedia,
     profile: &Profile,
     defaults: &MediaDefaults,
 ) -> Result<MediaReport, MediaError> {
     let fixed = |tokens: u32| ImageTokens { tokens, markers: 2 };
-    let mut report = match (&part.source, part.kind) {
-        (MediaSource::DataUrl { base64: false, .. }, _) => {
-            return Err(MediaError::Decode(DecodeError::NotBase64));
-        }
-        (MediaSource::DataUrl { payload, .. }, MediaKind::Image) => {
-            let bytes = decode_base64(payload).map_err(MediaError::Decode)?;
-            describe_image(&bytes, profile)?
-        }
-        (MediaSource::Url(url), MediaKind::Image) => {
+    let url_sized = || {
+        profile
+            .image_tokens(defaults.url_image_width, defaults.url_image_height)
+            .map_err(MediaError::Tokens)
+    };
+    let uuid_id = || MediaId::of_uuid(item.uuid.as_deref().unwrap_or_default());
+    let mut report = match (&item.content, item.kind) {
+        (MediaContent::Invalid(e), _) => return Err(MediaError::Decode(e.clone())),
+        // Never described: an earlier item failed, and the analysis stops there.
+        (MediaContent::Unread, _) => return Err(MediaError::Decode(DecodeError::Empty)),
+        (
+            MediaContent::Inline {
+                hash,
+                bytes,
+                header,
+            },
+            MediaKind::Image,
+        ) => {
+            let info = match header {
+                Some(Ok(info)) => *info,
+                Some(Err(e)) => return Err(MediaError::Header(e.clone())),
+                None => return Err(MediaError::Header(HeaderError::Unrecognised)),
+            };
             let tokens = profile
-                .image_tokens(defaults.url_image_width, defaults.url_image_height)
+                .image_tokens(info.width, info.height)
                 .map_err(MediaError::Tokens)?;
             MediaReport {
                 index: 0,
                 kind: MediaKind::Image,
-                id: MediaId::of_url(url),
-                format: None,
-                width: None,
-                height: None,
-                bytes: None,
+                id: MediaId::of_digest(*hash),
+                format: Some(info.format),
+                width: Some(info.width),
+                height: Some(info.height),
+                bytes: Some(*bytes),
                 tokens,
             }
         }
-        (source, kind) => {
-            let (id, bytes) = match source {
-                MediaSource::DataUrl { payload, .. } | MediaSource::Base64(payload)
-                    if !payload.is_empty() =>
-                {
-                    let bytes = decode_base64(payload).map_err(MediaError::Decode)?;
-                    (MediaId::of_bytes(&bytes), Some(bytes.len()))
+        // An image whose bytes were not seen: the size llm-d assumes.
+        (MediaContent::Url(_) | MediaContent::UuidOnly, MediaKind::Image) => MediaReport {
+            index: 0,
+            kind: MediaKind::Image,
+            id: match &item.content {
+                MediaContent::Url(url) => MediaId::of_url(url),
+                _ => uuid_id(),
+            },
+            format: None,
+            width: None,
+            height: None,
+            bytes: None,
+            tokens: url_sized()?,
+        },
+        (content, kind) => {
+            let (id, bytes) = match content {
+                MediaContent::Inline { hash, bytes, .. } => {
+                    (MediaId::of_digest(*hash), Some(*bytes))
                 }
-                MediaSource::Url(url) => (MediaId::of_url(url), None),
-                MediaSource::RawJson(raw) => (MediaId::of_bytes(raw.as_bytes()), None),
-                MediaSource::DataUrl { .. } | MediaSource::Base64(_) => {
-                    return Err(MediaError::Decode(DecodeError::Empty));
-                }
+                MediaContent::Url(url) => (MediaId::of_url(url), None),
+                MediaContent::Embeds { hash } => (MediaId::of_digest(*hash), None),
+                _ => (uuid_id(), None),
             };
             let tokens = match kind {
                 MediaKind::Video => defaults.video_tokens,
@@ -301,9 +398,9 @@ fn describe_part(
             }
         }
     };
-    report.index = part.index;
-    report.kind = part.kind;
-    if let Some(uuid) = &part.uuid {
+    report.index = item.index;
+    report.kind = item.kind;
+    if let Some(uuid) = &item.uuid {
         report.id = MediaId::of_uuid(uuid);
     }
     Ok(report)

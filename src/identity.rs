@@ -35,8 +35,13 @@ pub struct MediaId {
 impl MediaId {
     /// The identity of file bytes.
     pub fn of_bytes(bytes: &[u8]) -> MediaId {
+        MediaId::of_digest(xxh3_128(bytes))
+    }
+
+    /// The identity of file bytes whose xxh3-128 is `digest` (hashed as they streamed).
+    pub fn of_digest(digest: u128) -> MediaId {
         MediaId {
-            id: hex128(xxh3_128(bytes)),
+            id: hex128(digest),
             source: IdSource::Inline,
         }
     }

@@ -38,7 +38,7 @@
 //! over: parent key (u64 LE), the block's token ids (u32 LE), then for each overlapping image its
 //! 64-bit identity key and offset (both LE). Only full blocks are keyed, as in vLLM.
 
-use crate::request::{ApiKind, Part, Request};
+use crate::request::{ApiKind, Part, Prompt};
 use crate::tokens::ImageTokens;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -107,9 +107,9 @@ struct Span {
     key: u64,
 }
 
-/// Lays `request` out in blocks of `block_size` tokens. `media` holds one entry per media part,
-/// in request order (`MediaPart::index`); a part without an entry is laid out as zero tokens.
-pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -> Layout {
+/// Lays `request` out in blocks of `block_size` tokens. `media` holds one entry per media item,
+/// in request order (`Part::Media` index); a part without an entry is laid out as zero tokens.
+pub fn layout(request: &Prompt, media: &[PlacedMedia], block_size: usize) -> Layout {
     let block_size = block_size.max(1);
     let mut tokens: Vec<u32> = Vec::with_capacity(256);
     let mut spans: Vec<Span> = Vec::new();
@@ -123,8 +123,8 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
         for part in &message.parts {
             match part {
                 Part::Text(text) => pseudo_tokens(text, &mut tokens),
-                Part::Media(m) => {
-                    let Some(placed) = media.get(m.index) else {
+                Part::Media(index) => {
+                    let Some(placed) = media.get(*index) else {
                         continue;
                     };
                     let markers = placed.tokens.markers;
@@ -135,7 +135,7 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
                     spans.push(Span {
                         start: tokens.len(),
                         len,
-                        media: u32::try_from(m.index).unwrap_or(u32::MAX),
+                        media: u32::try_from(*index).unwrap_or(u32::MAX),
                         key: placed.key,
                     });
                     tokens.resize(tokens.len() + len, MEDIA_PAD);
@@ -308,7 +308,8 @@ fn push_piece(piece: &[u8], out: &mut Vec<u32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::{Limits, parse};
+    use crate::request::Limits;
+    use crate::scan::scan;
 
     fn tokens(text: &str) -> Vec<u32> {
         let mut v = Vec::new();
@@ -354,8 +355,8 @@ mod tests {
     }
 
     fn lay(body: &str, media: &[PlacedMedia], bs: usize) -> Layout {
-        let req = parse(body.as_bytes(), &Limits::default()).expect("parse");
-        layout(&req, media, bs)
+        let req = scan(body.as_bytes(), &Limits::default()).expect("scan");
+        layout(&req.prompt, media, bs)
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //!
 //! The modules follow the data flow of one request:
 //!
-//! 1. [`request`]: parse the OpenAI body into messages, text and media parts.
+//! 1. [`scan`]: read the OpenAI body in one pass as it arrives, into messages, text and media
+//!    parts ([`request`] holds the types); inline images are decoded and hashed while their
+//!    base64 streams by, for steps 2 and 3.
 //! 2. [`identity`]: give each image a content identity (xxh3-128 of its bytes).
 //! 3. [`image_header`]: read its size from the file header.
 //! 4. [`tokens`]: estimate the tokens the model spends on it.
@@ -43,6 +45,7 @@ pub mod kv_events;
 pub mod layout;
 pub mod report;
 pub mod request;
+pub mod scan;
 pub mod scoring;
 pub mod shell;
 pub mod state;

@@ -437,3 +437,28 @@ proptest! {
         check_sane(read_image_header(&bytes[..end]));
     }
 }
+
+#[test]
+fn a_reader_fed_in_pieces_keeps_at_most_64_kib_of_an_exif_segment() {
+    // A JPEG whose Exif segment (orientation 6, padded to ~60 KiB) arrives in 1 KiB pieces.
+    let mut tiff = b"Exif\0\0MM\0\x2a\0\0\0\x08\0\x01".to_vec();
+    tiff.extend([0x01, 0x12, 0, 3, 0, 0, 0, 1, 0, 6, 0, 0, 0, 0, 0, 0]);
+    tiff.resize(60_000, 0);
+    let file = jpeg(&[(0xE1, &tiff), (0xC0, &sof(8, 640, 480, 3)), (0xDA, SOS)]);
+    let before = ALLOCATED.with(Cell::get);
+    let mut r = mmrouter::image_header::HeaderReader::new();
+    for piece in file.chunks(1024) {
+        r.feed(piece);
+    }
+    let info = r.finish().unwrap();
+    let allocated = ALLOCATED.with(Cell::get) - before;
+    assert_eq!((info.width, info.height), (480, 640));
+    assert!(
+        allocated <= mmrouter::image_header::EXIF_CAP + 1024,
+        "{allocated} bytes"
+    );
+    // Whole, it is read in place.
+    let (whole, allocated) = measured(&file);
+    assert_eq!(whole, Ok(info));
+    assert_eq!(allocated, 0);
+}

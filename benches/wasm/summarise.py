@@ -40,7 +40,7 @@ def main() -> int:
         print("no results", file=sys.stderr)
         return 1
     runs = sorted({(v, e) for v, e, _, _ in best}, key=lambda r: (r[1] != "native", r))
-    measurements = ["analyze", "route", "limit"]
+    measurements = ["analyze", "pieces", "route", "limit"]
     for case in body:
         print(f"{case} (body {body[case]:,} B): best median per request, µs (MB/s of body)")
         print()

@@ -11,8 +11,10 @@
 //! from the median).
 //!
 //! Measurements, per case:
-//! - `analyze`: `mmrouter::analysis::analyze` with the default configuration (what the filter
-//!   calls per request: parse, decode, xxh3-128, header, tokens, layout);
+//! - `analyze`: `mmrouter::analysis::analyze` with the default configuration (the single pass
+//!   over the body: JSON, base64 decode, xxh3-128, header; then tokens, layout);
+//! - `pieces`: the same through `mmrouter::analysis::Analyzer` fed 16 KiB pieces, as the filter
+//!   feeds it while the body arrives;
 //! - `route`: the filter's whole per-request decision, `Router::route` with an in-memory
 //!   shared store and 8 workers, then `Router::finished` (analysis + prefix match + scoring +
 //!   shared-state log and load updates; what the filter does between `get_buffer` and
@@ -23,7 +25,7 @@
 mod cases;
 
 use base64::Engine as _;
-use mmrouter::analysis::analyze;
+use mmrouter::analysis::{Analyzer, analyze};
 use mmrouter::config::RouterConfig;
 use mmrouter::filter::config::FilterConfig;
 use mmrouter::filter::router::Router;
@@ -124,6 +126,15 @@ fn main() {
         let n = case.body.len();
         report(&o, case.name, "analyze", n, || {
             black_box(analyze(black_box(&case.body), &config).is_ok());
+        });
+        report(&o, case.name, "pieces", n, || {
+            let mut a = Analyzer::new(&config);
+            for piece in black_box(&case.body).chunks(16 * 1024) {
+                if a.feed(piece).is_err() {
+                    break;
+                }
+            }
+            black_box(a.finish(&config).is_ok());
         });
 
         let mut r = router();

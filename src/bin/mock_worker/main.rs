@@ -3,10 +3,11 @@
 //! would, so a routing decision shows in `cached_tokens`, in `/metrics` and in latency.
 //! See docs/MOCK_WORKER.md and `mock-worker --help`.
 //!
-//! Modules: [`cli`] (arguments), [`http`] (routes and response shapes), [`media`] and
-//! [`fetch`] (images), [`prompt`] (chat template and tokens), [`prefix_cache`] (block hashes
-//! and the block pool), [`engine`] (queue, admission, timing), [`metrics`] (`/metrics`),
-//! [`kv_publisher`] (KV events over ZMQ).
+//! Modules: [`cli`] (arguments), [`http`] (routes and response shapes), [`request`] (the
+//! request parser, strict like vLLM), [`media`] and [`fetch`] (images), [`prompt`] (chat
+//! template and tokens), [`prefix_cache`] (block hashes and the block pool), [`engine`]
+//! (queue, admission, timing), [`metrics`] (`/metrics`), [`kv_publisher`] (KV events over
+//! ZMQ).
 
 mod cli;
 mod engine;
@@ -17,6 +18,7 @@ mod media;
 mod metrics;
 mod prefix_cache;
 mod prompt;
+mod request;
 
 use cli::{Command, Config, USAGE, parse_args};
 use engine::{Engine, EngineConfig};

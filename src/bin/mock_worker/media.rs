@@ -12,9 +12,10 @@
 
 use crate::fetch::{FetchError, fetch_http};
 use crate::prompt::PlacedImage;
+use crate::request::{MediaSource, Request};
 use mmrouter::identity::{DecodeError, decode_base64};
 use mmrouter::image_header::{HeaderError, read_image_header};
-use mmrouter::request::{MediaKind, MediaSource, Request};
+use mmrouter::request::MediaKind;
 use mmrouter::tokens::{Profile, TokenError};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -13,8 +13,9 @@
 //! ([`mmrouter::layout::pseudo_tokens`]); special tokens use Qwen2.5's real ids.
 
 use crate::prefix_cache::MmRange;
+use crate::request::{Part, Request};
 use mmrouter::layout::pseudo_tokens;
-use mmrouter::request::{ApiKind, Part, Request};
+use mmrouter::request::ApiKind;
 use mmrouter::tokens::ImageTokens;
 
 /// Qwen2.5 special token ids.
@@ -140,7 +141,8 @@ pub fn output_token(seed: u64, i: usize) -> (String, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mmrouter::request::{Limits, parse};
+    use crate::request::parse;
+    use mmrouter::request::Limits;
 
     #[test]
     fn chat_template_places_image_placeholders_between_markers() {
