@@ -910,3 +910,87 @@ fn a_thousand_requests_with_1mib_inline_images_keep_linear_memory_bounded() {
     assert!(high < 16 << 20, "high-water {high} bytes");
     assert!(vm.failure().is_none());
 }
+
+// ---- host calls per request (issue 12: O(1), counted) ----
+
+fn print_calls(label: &str, s: &proxy_wasm_host::Exchange) {
+    let calls = s.host_calls();
+    eprintln!("{label}: {} host calls", calls.total());
+    for (callback, import, n) in calls.iter() {
+        eprintln!("  {callback:32} {import:40} {n}");
+    }
+}
+
+#[test]
+fn host_calls_per_request_are_few_and_do_not_grow_with_the_body() {
+    let host = host();
+    let vm = host.vm(vm_config(3, "")).unwrap();
+    // Warm up: membership read, first decisions.
+    chat(&vm, &text_body("warm up")).send().unwrap();
+    let text = chat(&vm, &text_body(&"hello world ".repeat(150)))
+        .chunk_size(1 << 20)
+        .send()
+        .unwrap();
+    let small = b64(&png(64, 64, 256, 1));
+    let image = chat(&vm, &image_body(&small, "what is it"))
+        .chunk_size(1 << 20)
+        .send()
+        .unwrap();
+    let big = b64(&png(1024, 1024, 1 << 20, 2));
+    let large = chat(&vm, &image_body(&big, "what is it"))
+        .chunk_size(64 * 1024)
+        .send()
+        .unwrap();
+    print_calls("text", &text);
+    print_calls("small image", &image);
+    print_calls("1 MiB image in 64 KiB pieces", &large);
+    let total = |s: &proxy_wasm_host::Exchange| s.host_calls().total();
+    // Pinned: a request costs this many host calls at most (the routing decision reads the
+    // live and load tables and a few buckets, updates the load table, records its last key,
+    // enqueues the decision, sets the destination header, counts its metrics).
+    assert!(total(&text) <= 30, "text: {}", total(&text));
+    assert!(total(&image) <= 30, "image: {}", total(&image));
+    // The body pieces cost one read each; nothing else grows with the body.
+    let pieces = large.host_calls().count("proxy_get_buffer_bytes");
+    assert!(pieces >= 16, "{pieces}");
+    assert!(
+        total(&large) - pieces <= total(&image),
+        "{} - {pieces} > {}",
+        total(&large),
+        total(&image)
+    );
+}
+
+#[test]
+fn with_stamp_uuid_image_parts_carry_the_content_id_and_content_length_follows() {
+    let host = host();
+    let vm = host
+        .vm(vm_config(2, r#""metrics":{"poll_ms":0},"stamp_uuid":true"#))
+        .unwrap();
+    let img = b64(&png(200, 100, 4096, 9));
+    let body = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"look"}},{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{img}"}}}},{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{img}"}},"uuid":"mine"}}]}}]}}"#
+    );
+    let s = chat(&vm, &body)
+        .header("content-length", &body.len().to_string())
+        .chunk_size(1024)
+        .send()
+        .unwrap();
+    let sent = s.upstream_body();
+    let v: serde_json::Value = serde_json::from_slice(sent).expect("the stamped body is JSON");
+    let parts = &v["messages"][0]["content"];
+    let id = parts[1]["uuid"].as_str().expect("stamped");
+    assert_eq!(id.len(), 32);
+    assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_eq!(parts[2]["uuid"], "mine", "a client's uuid is kept");
+    assert_eq!(
+        s.request_header("content-length"),
+        Some(sent.len().to_string().as_str())
+    );
+    assert_eq!(sent.len(), body.len() + r#""uuid":"","#.len() + 32);
+    assert_eq!(host.metric_value("mmrouter.uuids_stamped"), Some(1));
+    // Off by default without a sidecar: the body goes upstream untouched.
+    let plain = host.vm(vm_config(2, "")).unwrap();
+    let s = chat(&plain, &body).send().unwrap();
+    assert_eq!(s.upstream_body(), body.as_bytes());
+}

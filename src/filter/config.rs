@@ -10,6 +10,7 @@
 //!   "retry_alternates": 0,
 //!   "response_headers": false,
 //!   "decision_log": "debug",
+//!   "stamp_uuid": false,
 //!   "state": {"capacity_blocks": 16384, "tick_ms": 20, "blocks": {...}, ...},
 //!   "metrics": {"poll_ms": 250, "path": "/metrics", "timeout_ms": 200,
 //!               "cluster": "mmrouter_endpoint", "unhealthy_after": 3},
@@ -158,12 +159,17 @@ pub struct FilterConfig {
     pub response_headers: bool,
     /// Level of the per-request `[ROUTING]` line (default debug).
     pub decision_log: DecisionLog,
+    /// Write the router's content id as vLLM's `uuid` into image parts that have none, so the
+    /// engine's KV events name images as the router does (see `filter::stamp`). Default: on
+    /// when a sidecar is configured (precise mode), off otherwise.
+    pub stamp_uuid: bool,
     pub state: StateConfig,
     pub metrics: MetricsConfig,
     pub router: RouterConfig,
 }
 
-const FILTER_KEYS: [&str; 10] = [
+const FILTER_KEYS: [&str; 11] = [
+    "stamp_uuid",
     "retry_alternates",
     "metrics",
     "workers",
@@ -214,6 +220,10 @@ impl FilterConfig {
             Some(v) => field("response_headers", v)?,
             None => false,
         };
+        let stamp_uuid: bool = match take("stamp_uuid") {
+            Some(v) => field("stamp_uuid", v)?,
+            None => sidecar.is_some(),
+        };
         let decision_log: DecisionLog = match take("decision_log") {
             Some(v) => field("decision_log", v)?,
             None => DecisionLog::default(),
@@ -238,6 +248,7 @@ impl FilterConfig {
             retry_alternates,
             response_headers,
             decision_log,
+            stamp_uuid,
             state,
             metrics,
             router,

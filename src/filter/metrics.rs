@@ -20,6 +20,8 @@
 //! | `mmrouter.polls_ok` / `mmrouter.polls_failed` | counter | `/metrics` polls of the workers that gave vLLM metrics, and those that did not |
 //! | `mmrouter.feed_ok` / `mmrouter.feed_failed` | counter | polls of the sidecar's feed |
 //! | `mmrouter.workers_joined` / `mmrouter.workers_left` | counter | membership changes |
+//! | `mmrouter.uuids_stamped` | counter | image parts given vLLM's `uuid` (the router's content id) |
+//! | `mmrouter.parts_skipped` | counter | content parts of an unknown or unsupported shape, skipped (the rest of the body keeps its cache affinity) |
 //! | `mmrouter.vm_memory_bytes.<vm>` | gauge | each VM's Wasm linear memory (its high-water mark: it never shrinks), set on its tick; `<vm>` is a per-VM random id |
 
 use super::poller::Event;
@@ -49,6 +51,8 @@ pub struct Metrics {
     joined: Option<u32>,
     left: Option<u32>,
     vm_memory: Option<u32>,
+    stamped: Option<u32>,
+    skipped: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -86,6 +90,8 @@ impl Metrics {
             feed_failed: counter("mmrouter.feed_failed"),
             joined: counter("mmrouter.workers_joined"),
             left: counter("mmrouter.workers_left"),
+            stamped: counter("mmrouter.uuids_stamped"),
+            skipped: counter("mmrouter.parts_skipped"),
             vm_memory: define_metric(
                 MetricType::Gauge,
                 &format!("mmrouter.vm_memory_bytes.{:08x}", vm as u32),
@@ -100,6 +106,14 @@ impl Metrics {
             let pages = core::arch::wasm32::memory_size(0) as u64;
             let _ = record_metric(id, pages * 65536);
         }
+    }
+
+    pub fn stamped(&self, n: usize) {
+        add(self.stamped, n as u64);
+    }
+
+    pub fn skipped(&self, n: usize) {
+        add(self.skipped, n as u64);
     }
 
     pub fn request(&self) {

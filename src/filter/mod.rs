@@ -8,13 +8,17 @@
 //!   score ([`crate::scoring`]), record; release a request's load as its phases end.
 //! - [`poller`]: the state writer's tick on the VM that holds the lease: membership,
 //!   decisions into the block buckets, `/metrics` polls; [`feed_apply`]: the sidecar's feed.
+//! - [`stamp`]: vLLM's per-item `uuid` written into image parts, so the engine's KV events
+//!   name images as the router does (precise mode).
 //! - `proxy` and `metrics` (feature `filter`, wasm only): the proxy-wasm callbacks and metrics.
 //!
 //! Request path, for a POST on a routed path:
 //! 1. `on_http_request_headers`: remove any client-sent `x-gateway-destination-endpoint` and
 //!    `x-envoy-original-dst-host` (always, on every request, so a client can never steer), then
 //!    pause. Envoy must be configured with `allow_on_headers_stop_iteration: true`.
-//! 2. `on_http_request_body`: at the end of the stream read the body once, decide, set
+//! 2. `on_http_request_body`: each piece of the body as it arrives goes through the incremental
+//!    analysis (images hashed as their base64 is decoded, nothing kept but what routing
+//!    needs); at the end of the stream decide, stamp image uuids (precise mode), set
 //!    `x-gateway-destination-endpoint: ip:port` for the ORIGINAL_DST cluster, log
 //!    `[ROUTING] Best: <worker> with X/Y blocks overlap; wait .., prefill .., recompute ..`.
 //! 3. `on_http_response_headers`: optionally `x-mmrouter-worker`, `x-mmrouter-overlap` and
@@ -38,3 +42,4 @@ pub mod poller;
 #[cfg(all(feature = "filter", target_arch = "wasm32"))]
 mod proxy;
 pub mod router;
+pub mod stamp;

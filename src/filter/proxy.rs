@@ -8,6 +8,8 @@ use super::config::{DecisionLog, FilterConfig};
 use super::metrics::Metrics;
 use super::poller::{Dispatcher, Event, MAX_POLL_BODY, Poller};
 use super::router::{Decision, Fallback, Router};
+use super::stamp;
+use crate::analysis::{Analysis, Analyzer};
 use crate::state::{SharedStore, StoreError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -307,7 +309,10 @@ impl RootContext for FilterRoot {
             context_id,
             shared: self.shared.clone(),
             routing: false,
+            content_length: None,
             body_size: 0,
+            fed: 0,
+            analyzer: None,
             decision: None,
             prefill_seen: false,
             finished: false,
@@ -324,8 +329,13 @@ struct FilterStream {
     shared: Option<Rc<RefCell<Shared>>>,
     /// This stream's body is being buffered for a decision.
     routing: bool,
-    /// Bytes of the body buffered so far.
+    /// The request's `content-length`, when it had one (stamping fixes it).
+    content_length: Option<usize>,
+    /// Bytes of the body buffered so far, and fed to the analysis so far.
     body_size: usize,
+    fed: usize,
+    /// The incremental analysis of the body while it arrives.
+    analyzer: Option<Analyzer>,
     decision: Option<Decision>,
     /// The request's prefill was seen to end (first response chunk of a stream, or an answer
     /// that came before the estimate).
@@ -336,28 +346,59 @@ struct FilterStream {
 impl Context for FilterStream {}
 
 impl FilterStream {
+    /// Feeds the body bytes Envoy has buffered since the last call to the analysis (one copy
+    /// of each byte into the VM, scanned and hashed as it comes, never kept).
+    fn feed_new_bytes(&mut self) {
+        let (Some(analyzer), true) = (self.analyzer.as_mut(), self.body_size > self.fed) else {
+            return;
+        };
+        let piece = hostcalls::get_buffer(
+            BufferType::HttpRequestBody,
+            self.fed,
+            self.body_size - self.fed,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        self.fed = self.body_size;
+        // An error is kept by the analyzer and reported at finish.
+        let _ = analyzer.feed(&piece);
+    }
+
     /// The body is complete (or already over the limit: a chunked body without
     /// content-length): decide now. An oversize body streams on from here without being read.
     fn decide(&mut self, s: &mut Shared) {
         self.routing = false;
-        let random = self.random();
-        let decision = if self.body_size > s.router.config.router.limits.max_body_bytes {
-            s.router
-                .route_without_body(Fallback::TooLarge, &s.store, now_us(), random)
-        } else {
-            let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, self.body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default();
-            s.router.route(&body, &s.store, now_us(), random).0
+        let now = now_us();
+        let random = self.random(now);
+        let analyzer = self.analyzer.take();
+        let (decision, analysis) = match analyzer {
+            Some(_) if self.body_size > s.router.config.router.limits.max_body_bytes => (
+                s.router
+                    .route_without_body(Fallback::TooLarge, &s.store, now, random),
+                None,
+            ),
+            Some(a) => {
+                let result = a.finish(&s.router.config.router);
+                s.router.route_analyzed(result, &s.store, now, random)
+            }
+            None => (None, None),
         };
+        if let Some(a) = &analysis {
+            s.metrics.skipped(a.skipped_count);
+            if s.router.config.stamp_uuid && decision.is_some() {
+                stamp_uuids(a, self.body_size, self.content_length, s);
+            }
+        }
         self.apply(s, decision);
     }
 
-    fn random(&self) -> u64 {
+    /// A random number for tie-breaks: this stream's id mixed with the time `now` (the caller
+    /// has just read it: one clock call per decision).
+    fn random(&self, now: u64) -> u64 {
         let mut buf = [0u8; 12];
         buf[..4].copy_from_slice(&self.context_id.to_le_bytes());
-        buf[4..].copy_from_slice(&now_us().to_le_bytes());
+        buf[4..].copy_from_slice(&now.to_le_bytes());
         xxh3_64(&buf)
     }
 
@@ -379,6 +420,39 @@ impl FilterStream {
             .routed(&decision, s.router.config.sidecar.is_some());
         self.decision = Some(decision);
     }
+}
+
+/// Writes vLLM's `uuid` into the image parts that need one (see [`stamp`]): reads the body up
+/// to the last insertion point, replaces that prefix with the stamped one (Envoy replaces a
+/// prefix of the buffer, it cannot insert in the middle) and fixes `content-length`.
+fn stamp_uuids(
+    analysis: &Analysis,
+    body_size: usize,
+    content_length: Option<usize>,
+    s: &mut Shared,
+) {
+    let insertions = stamp::uuid_insertions(analysis);
+    let Some(cut) = stamp::prefix_len(&insertions).filter(|&c| c <= body_size) else {
+        return;
+    };
+    let Some(prefix) = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, cut)
+        .ok()
+        .flatten()
+        .filter(|p| p.len() == cut)
+    else {
+        return;
+    };
+    let Some(stamped) = stamp::rewrite_prefix(&prefix, &insertions) else {
+        return;
+    };
+    if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, cut, &stamped).is_err() {
+        return;
+    }
+    if let Some(length) = content_length {
+        let new = (length + stamp::added_bytes(&insertions)).to_string();
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&new));
+    }
+    s.metrics.stamped(insertions.len());
 }
 
 /// The `[ROUTING]` log line: what was chosen and what it was weighed against. Only numbers,
@@ -417,28 +491,40 @@ fn decision_line(d: &Decision) -> String {
 
 impl HttpContext for FilterStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        for h in STEERING_HEADERS {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
+        // One host call for every header this callback needs (instead of one per header).
+        let headers = hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default();
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        let shared = self.shared.clone();
+        let configured = shared
+            .as_ref()
+            .and_then(|sh| sh.try_borrow().ok())
+            .map(|s| s.router.config.destination_header.clone());
+        // Client headers that could steer the upstream are removed on every request, routed or
+        // not, whatever else happens (only those present: a removal is a host call).
+        for h in STEERING_HEADERS
+            .iter()
+            .copied()
+            .chain(configured.as_deref())
+        {
+            if header(h).is_some() {
+                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
+            }
         }
-        let Some(shared) = self.shared.clone() else {
+        let Some(shared) = shared else {
             return Action::Continue;
         };
         let Ok(mut s) = shared.try_borrow_mut() else {
             return Action::Continue;
         };
         let s = &mut *s;
-        let configured = s.router.config.destination_header.as_str();
-        if !STEERING_HEADERS.contains(&configured) {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, configured, None);
-        }
-        let header = |name: &str| {
-            hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-                .ok()
-                .flatten()
-        };
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
-        if !method.eq_ignore_ascii_case("POST") || !s.router.config.routes_path(&path) {
+        if !method.eq_ignore_ascii_case("POST") || !s.router.config.routes_path(path) {
             return Action::Continue;
         }
         s.metrics.request();
@@ -446,6 +532,7 @@ impl HttpContext for FilterStream {
         // least-loaded worker, and never occupies the VM's memory or Envoy's buffer.
         let limit = s.router.config.router.limits.max_body_bytes;
         let announced = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        self.content_length = announced;
         let encoded = header("content-encoding")
             .is_some_and(|v| !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("identity"));
         let why = if announced.is_some_and(|n| n > limit) {
@@ -458,13 +545,15 @@ impl HttpContext for FilterStream {
             None
         };
         if let Some(why) = why {
+            let now = now_us();
             let d = s
                 .router
-                .route_without_body(why, &s.store, now_us(), self.random());
+                .route_without_body(why, &s.store, now, self.random(now));
             self.apply(s, d);
             return Action::Continue;
         }
         self.routing = true;
+        self.analyzer = Some(Analyzer::new(&s.router.config.router));
         // Needs `allow_on_headers_stop_iteration: true` in the Wasm filter config, so that Envoy
         // keeps calling on_http_request_body after this pause.
         Action::Pause
@@ -484,6 +573,9 @@ impl HttpContext for FilterStream {
             return Action::Continue;
         };
         let over_limit = body_size > s.router.config.router.limits.max_body_bytes;
+        if !over_limit {
+            self.feed_new_bytes();
+        }
         if !end_of_stream && !over_limit {
             return Action::Pause;
         }

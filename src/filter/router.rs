@@ -151,10 +151,27 @@ impl Router {
                 None,
             );
         }
-        match analyze(body, &self.config.router) {
+        let analysis = analyze(body, &self.config.router);
+        self.route_analyzed(analysis, store, now_us, random)
+    }
+
+    /// Decides where a body goes from its analysis (done in one call, or fed piece by piece
+    /// through an [`crate::analysis::Analyzer`] as the body arrived), or routes it without its
+    /// cache affinity when the analysis failed.
+    pub fn route_analyzed(
+        &mut self,
+        analysis: Result<Analysis, AnalyzeError>,
+        store: &dyn SharedStore,
+        now_us: u64,
+        random: u64,
+    ) -> (Option<Decision>, Option<Analysis>) {
+        match analysis {
             Ok(a) => (self.route_analysis(&a, store, now_us, random), Some(a)),
             Err(e) => {
-                let why = Fallback::Analyze(AnalyzeError::reason(&e));
+                let why = match e.reason() {
+                    "too_large" => Fallback::TooLarge,
+                    reason => Fallback::Analyze(reason),
+                };
                 (self.route_without_body(why, store, now_us, random), None)
             }
         }
@@ -192,7 +209,8 @@ impl Router {
         if live.precise {
             self.cap_by_images(analysis, &live, &mut prefix.depths, store);
         }
-        let loads = self.load.read(store, live.slots.len());
+        let snapshot = self.load.snapshot(store, live.slots.len());
+        let loads = &snapshot.loads;
         let now_ms = now_us / 1000;
         let half_life = self.config.router.scoring.footprint_half_life_ms;
         let fresh_for = self.metrics_fresh_for_ms();
@@ -231,9 +249,13 @@ impl Router {
         let estimate = choice.estimate();
         let matched = prefix.depth(slot).min(keys.len());
         let prefill_us = (estimate.prefill_s * 1e6) as u64;
-        let end = self.load.route(store, slot, now_us, prefill_us);
+        let end = self
+            .load
+            .route_after(store, &snapshot, slot, now_us, prefill_us);
         let new_blocks = (keys.len() - matched) as u32;
-        self.record_last_key(store, &live, slot, keys, new_blocks);
+        if matched < keys.len() {
+            self.record_last_key(store, &live, slot, keys, new_blocks);
+        }
         let enqueued = store
             .enqueue(
                 &self.keys.decisions(),
@@ -383,10 +405,10 @@ impl Router {
     ) -> Option<Decision> {
         let live = self.tables(store);
         let eligible = eligible_slots(&live);
-        let loads = self.load.read(store, live.slots.len());
-        let slot = least_loaded(&eligible, &loads, now_us, random)?;
+        let snapshot = self.load.snapshot(store, live.slots.len());
+        let slot = least_loaded(&eligible, &snapshot.loads, now_us, random)?;
         let target = self.target(slot)?;
-        let end = self.load.route(store, slot, now_us, 0);
+        let end = self.load.route_after(store, &snapshot, slot, now_us, 0);
         Some(Decision {
             target,
             alternates: Vec::new(),

@@ -79,6 +79,21 @@ pub fn encode(loads: &[Load]) -> Vec<u8> {
     out
 }
 
+/// The load table as one read saw it.
+#[derive(Debug, Clone)]
+pub struct LoadSnapshot {
+    pub loads: Vec<Load>,
+    read: Option<(Vec<u8>, u32)>,
+}
+
+/// The table `bytes` with `f` applied to `slot` (grown to hold it), encoded.
+fn modified(bytes: &[u8], slot: usize, f: &impl Fn(&mut Load)) -> Option<Vec<u8>> {
+    let n = (bytes.len() / ENTRY).max(slot + 1);
+    let mut loads = decode(bytes, n);
+    f(loads.get_mut(slot)?);
+    Some(encode(&loads))
+}
+
 /// The load table of one configuration.
 #[derive(Debug, Clone)]
 pub struct LoadTable {
@@ -92,20 +107,53 @@ impl LoadTable {
 
     /// Every slot's load, `slots` entries.
     pub fn read(&self, store: &dyn SharedStore, slots: usize) -> Vec<Load> {
+        self.snapshot(store, slots).loads
+    }
+
+    /// Every slot's load with the bytes and CAS token they were read at, so that the update
+    /// that follows a read ([`LoadTable::route_after`]) costs one write when no other VM wrote
+    /// in between.
+    pub fn snapshot(&self, store: &dyn SharedStore, slots: usize) -> LoadSnapshot {
         match store.get(&self.key) {
-            Ok(Some((bytes, _))) => decode(&bytes, slots),
-            _ => vec![Load::default(); slots],
+            Ok(Some((bytes, cas))) => LoadSnapshot {
+                loads: decode(&bytes, slots),
+                read: Some((bytes, cas)),
+            },
+            _ => LoadSnapshot {
+                loads: vec![Load::default(); slots],
+                read: None,
+            },
         }
     }
 
     fn update(&self, store: &dyn SharedStore, slot: usize, f: impl Fn(&mut Load)) -> bool {
-        cas_update(store, &self.key, |bytes| {
-            let n = (bytes.len() / ENTRY).max(slot + 1);
-            let mut loads = decode(bytes, n);
-            let load = loads.get_mut(slot)?;
-            f(load);
-            Some(encode(&loads))
-        })
+        cas_update(store, &self.key, |bytes| modified(bytes, slot, &f))
+    }
+
+    /// [`LoadTable::route`], trying first to write over `snapshot` (one host call); on a lost
+    /// race it reads again, as `route` does.
+    pub fn route_after(
+        &self,
+        store: &dyn SharedStore,
+        snapshot: &LoadSnapshot,
+        slot: usize,
+        now_us: u64,
+        prefill_us: u64,
+    ) -> Option<u64> {
+        let end = std::cell::Cell::new(None);
+        let apply = |l: &mut Load| {
+            l.inflight = l.inflight.saturating_add(1);
+            let start = l.queue_until_us.max(now_us);
+            l.queue_until_us = start.saturating_add(prefill_us);
+            end.set(Some(l.queue_until_us));
+        };
+        if let Some((bytes, cas)) = &snapshot.read
+            && let Some(next) = modified(bytes, slot, &apply)
+            && store.set(&self.key, &next, Some(*cas)).is_ok()
+        {
+            return end.get();
+        }
+        self.route(store, slot, now_us, prefill_us)
     }
 
     /// A request was routed to `slot` at `now_us` with `prefill_us` of prefill to do. Returns
@@ -196,6 +244,20 @@ mod tests {
         assert_eq!(l[1].queued_us(2_000), 0, "the clock drains by itself");
         assert_eq!(l[0], Load::default());
         assert_eq!(t.route(&s, 1, 5_000, 100), Some(5_100), "idle again");
+    }
+
+    #[test]
+    fn a_route_after_a_read_writes_once_and_retries_when_another_vm_wrote() {
+        let s = MemoryStore::default();
+        let t = LoadTable::new("load".into());
+        t.route(&s, 0, 0, 100).expect("routed");
+        let snap = t.snapshot(&s, 2);
+        assert_eq!(snap.loads[0].inflight, 1);
+        assert_eq!(t.route_after(&s, &snap, 1, 0, 50), Some(50));
+        // The snapshot is stale now (another update landed): the route still counts.
+        assert_eq!(t.route_after(&s, &snap, 0, 0, 10), Some(110));
+        let l = t.read(&s, 2);
+        assert_eq!((l[0].inflight, l[1].inflight), (2, 1));
     }
 
     #[test]
