@@ -1,0 +1,11 @@
+#![no_main]
+//! `cargo fuzz run header_png`: see fuzz/src (the checks) and docs/FUZZING.md.
+use libfuzzer_sys::{Corpus, fuzz_target};
+
+fuzz_target!(|data: &[u8]| -> Corpus {
+    if mmrouter_fuzz::run_named("header_png", data) {
+        Corpus::Keep
+    } else {
+        Corpus::Reject
+    }
+});
