@@ -50,7 +50,7 @@ MOCK_FLAGS = {"prefill_tps": "prefill-tokens-per-sec", "encoder_ms": "encoder-ms
 WORKER_DEFAULTS = {
     "prefill_tps": 8000.0,  # uncached prompt tokens per second, one prefill at a time
     "encoder_ms": 40.0,  # per image that needs the encoder
-    "decode_tps": 50.0,  # output tokens per second per sequence
+    "decode_tps": 100.0,  # output tokens per second per sequence
     "max_num_seqs": 32,
     "mm_cache_items": 8,  # vLLM's encoder cache holds a few images, not hundreds
 }

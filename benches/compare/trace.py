@@ -65,7 +65,7 @@ SESSIONS = {
     "max_px": 1280,
     "formats": {"jpeg": 0.5, "png": 0.25, "webp": 0.25},
     "user_words": [5, 40],
-    "max_tokens": [16, 96],
+    "max_tokens": [8, 48],
     "think_s": [0.5, 2.5],
     "arrival": "closed",
     "users": 8,
@@ -120,12 +120,8 @@ def _words(rng, n):
 
 
 def _image_spec(rng, idx, p):
-    long_side = rng.randint(p["min_px"], p["max_px"])
-    aspect = rng.choice([1.0, 4 / 3, 3 / 2, 16 / 9, 3 / 4, 9 / 16])
-    if aspect >= 1:
-        w, h = long_side, max(p["min_px"] // 2, int(long_side / aspect))
-    else:
-        w, h = max(p["min_px"] // 2, int(long_side * aspect)), long_side
+    # Width and height each uniform in [min_px, max_px].
+    w, h = rng.randint(p["min_px"], p["max_px"]), rng.randint(p["min_px"], p["max_px"])
     fmts = p.get("formats") or {"jpeg": 0.75, "png": 0.25}
     fmt = rng.choices(list(fmts), list(fmts.values()))[0]
     return {"id": f"img{idx:04d}", "w": w, "h": h, "fmt": fmt, "seed": rng.randrange(1 << 30)}
