@@ -198,36 +198,47 @@ def table(rows):
 
 
 def family_lines(rows):
-    """One line per family: who wins on hit rate at each worker count and by how much, and
-    how mmrouter's p99 TTFT compares with SGLang's."""
+    """One line per family: the best router by hit rate at each worker count and its margin
+    over the next; mmrouter against SGLang (hit rate, ratio, LOSS when below; p99 TTFT); and
+    mmrouter against the two references."""
     fams = OrderedDict()
     for r in ordered(rows):
         fams.setdefault(r["family"], OrderedDict()).setdefault(r["workers"], {})[r["system"]] = r
     lines = []
     for fam, by_w in fams.items():
+        ws = list(by_w)
         parts = []
-        for w, sy in by_w.items():
-            routers = {s: r for s, r in sy.items() if s not in ("bound", "sim")
-                       and r["hit_rate"] is not None}
-            if not routers:
-                continue
-            ranked = sorted(routers.values(), key=lambda r: -r["hit_rate"])
-            best = ranked[0]
-            txt = f"{w} workers: **{best['system']}** {best['hit_rate']:.3f}"
-            if len(ranked) > 1:
-                second = ranked[1]
-                txt += (f" (+{best['hit_rate'] - second['hit_rate']:.3f} over {second['system']}"
-                        f" {second['hit_rate']:.3f})")
-            mm, sg = routers.get("mmrouter"), routers.get("sglang")
-            if mm and sg and sg["hit_rate"]:
-                txt += f"; mmrouter/sglang hit {mm['hit_rate'] / sg['hit_rate']:.2f}x"
-                if mm.get("ttft_p99") and sg.get("ttft_p99"):
-                    txt += f", p99 TTFT {mm['ttft_p99']:.2f} vs {sg['ttft_p99']:.2f} s"
-            refs = [f"{s} {sy[s]['hit_rate']:.3f}" for s in ("bound", "sim")
-                    if s in sy and sy[s]["hit_rate"] is not None]
-            if refs:
-                txt += "; " + ", ".join(refs)
-            parts.append(txt)
+        win = []
+        for w in ws:
+            routers = sorted((r for s, r in by_w[w].items() if s not in ("bound", "sim")
+                              and r["hit_rate"] is not None), key=lambda r: -r["hit_rate"])
+            if routers:
+                m = routers[0]["hit_rate"] - routers[1]["hit_rate"] if len(routers) > 1 else 0.0
+                win.append(f"{w}w {routers[0]['system']} (+{m:.3f})")
+        if win:
+            parts.append("best router by hit rate: " + ", ".join(win))
+
+        def pair(a, b, key, fmt, ratio=False, loss=False):
+            out = []
+            for w in ws:
+                x, y = by_w[w].get(a), by_w[w].get(b)
+                if not x or not y or x.get(key) is None or y.get(key) is None:
+                    continue
+                t = f"{w}w {x[key]:{fmt}} vs {y[key]:{fmt}}"
+                if ratio and y[key]:
+                    t += f" ({x[key] / y[key]:.2f}x)"
+                if loss and x[key] < y[key]:
+                    t += " LOSS"
+                out.append(t)
+            return ", ".join(out)
+
+        for b in ("sglang", "bound", "sim"):
+            t = pair("mmrouter", b, "hit_rate", ".3f", ratio=True, loss=(b == "sglang"))
+            if t:
+                parts.append(f"mmrouter vs {b} hit: {t}")
+        t = pair("mmrouter", "sglang", "ttft_p99", ".2f")
+        if t:
+            parts.append(f"p99 TTFT (s) mmrouter vs sglang: {t}")
         lines.append(f"- **{fam}**: " + "; ".join(parts) + ".")
     return "\n".join(lines)
 
@@ -328,8 +339,8 @@ def write_report(out_dir, meta=None, make_plots=True):
         fams = meta.get("families") or {}
         if fams:
             md += ["Families:", ""] + [f"- `{k}`: {v}" for k, v in fams.items()] + [""]
-    md += [table(rows), "", "Per family (hit rate; winner among the routers and its margin "
-           "over the next):", "", family_lines(rows), ""]
+    md += [table(rows), "", "Per family (w = workers; margins and ratios in hit rate):", "",
+           family_lines(rows), ""]
     if checks:
         bad = sum(c["sim_check"]["mismatched"] for c in checks)
         n = sum(c["sim_check"]["requests"] for c in checks)
