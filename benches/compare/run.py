@@ -212,7 +212,7 @@ def main(argv):
     ap.add_argument("--trace", help="replay this JSONL trace instead of the families (family "
                     "name: the file's stem)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"smoke run: first seed only, {QUICK_SHARE:.0%} of each family's sessions")
+                    help=f"smoke run: first seed only, {QUICK_SHARE * 100:.0f}%% of each family's sessions")
     ap.add_argument("--sessions", type=int, help="sessions per trace (default: the family's)")
     ap.add_argument("--users", type=int, help="concurrent users of closed-loop families (default 8)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of every system per cell")
