@@ -92,12 +92,19 @@ impl RouterConfig {
 /// serde_json's message names the field for unknown/invalid fields; keep it, and say where.
 pub fn json_error(e: &serde_json::Error) -> ConfigError {
     let msg = e.to_string();
-    // "unknown field `foo`, expected ..." → field foo
-    let field = msg
-        .split('`')
-        .nth(1)
-        .filter(|_| msg.starts_with("unknown field") || msg.starts_with("missing field"))
-        .unwrap_or("(document)")
+    // "unknown field `foo`, expected ..." / "missing field `foo` at line ..." → field foo (a
+    // key may hold a backtick, and may be empty: named `""` then, found by the fuzz target
+    // `config_router`).
+    let field = ["unknown field `", "missing field `"]
+        .iter()
+        .find_map(|p| msg.strip_prefix(p))
+        .and_then(|rest| {
+            rest.find("`, ")
+                .or_else(|| rest.find("` at "))
+                .map(|end| rest.get(..end))
+        })
+        .flatten()
+        .map_or("(document)", |f| if f.is_empty() { "\"\"" } else { f })
         .to_string();
     ConfigError::new(field, msg)
 }
@@ -115,6 +122,16 @@ mod tests {
     fn printed_defaults_read_back_as_the_defaults() {
         let text = serde_json::to_vec(&RouterConfig::default()).expect("serialises");
         assert_eq!(RouterConfig::from_json(&text), Ok(RouterConfig::default()));
+    }
+
+    #[test]
+    fn an_empty_or_backticked_unknown_key_is_named_as_it_is() {
+        let e = RouterConfig::from_json(br#"{"": 1}"#).err();
+        assert_eq!(e.map(|e| e.field), Some("\"\"".to_string()));
+        let e = RouterConfig::from_json(br#"{"a`b, c": 1}"#).err();
+        assert_eq!(e.map(|e| e.field), Some("a`b, c".to_string()));
+        let e = RouterConfig::from_json(br#"{"limits": {"max_body_bytes` at x": 1}}"#).err();
+        assert_eq!(e.map(|e| e.field), Some("max_body_bytes` at x".to_string()));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //!   (what the filter does in precise mode) gives a body that analyses to the same block keys,
 //!   names the same items, and needs no more stamping.
 
-use crate::split::{pieces, split};
+use super::split::{pieces, split};
 use mmrouter::analysis::{Analysis, AnalyzeError, Analyzer, analyze};
 use mmrouter::config::RouterConfig;
 use mmrouter::filter::stamp::{added_bytes, prefix_len, rewrite_prefix, uuid_insertions};
@@ -109,7 +109,11 @@ fn consistent(a: &Analysis, body: &[u8], config: &RouterConfig) {
         assert_eq!(m.index, i);
         assert!(site.offset > last_site, "sites out of body order");
         last_site = site.offset;
-        assert_eq!(body.get(site.offset - 1), Some(&b'{'), "a site not after `{{`");
+        assert_eq!(
+            body.get(site.offset - 1),
+            Some(&b'{'),
+            "a site not after `{{`"
+        );
         if m.format.is_some() {
             assert!(m.width.is_some_and(|w| w > 0) && m.height.is_some_and(|h| h > 0));
             assert!(m.bytes.is_some());
@@ -146,7 +150,10 @@ fn consistent(a: &Analysis, body: &[u8], config: &RouterConfig) {
         assert!(o.offset < layout.block_size as i64);
     }
     let report = mmrouter::report::inspect_json(a);
-    assert_eq!(report["images"].as_array().map(Vec::len), Some(a.media.len()));
+    assert_eq!(
+        report["images"].as_array().map(Vec::len),
+        Some(a.media.len())
+    );
     assert_eq!(
         report["blocks"].as_array().map(Vec::len),
         Some(layout.keys.len())
@@ -174,7 +181,10 @@ fn stamped(a: &Analysis, body: &[u8], config: &RouterConfig) {
         Ok(after) => after,
         Err(e) => panic!("the stamped body does not analyse: {e}"),
     };
-    assert_eq!(after.layout.keys, a.layout.keys, "stamping moved the block keys");
+    assert_eq!(
+        after.layout.keys, a.layout.keys,
+        "stamping moved the block keys"
+    );
     assert_eq!(after.media.len(), a.media.len());
     for (before, now) in a.media.iter().zip(&after.media) {
         assert_eq!(before.id.id, now.id.id, "stamping renamed an item");

@@ -34,7 +34,10 @@ fn refused(e: &FeedError) {
 
 fn accepted(data: &[u8], feed: &Feed) {
     assert_eq!(feed.validate(), Ok(()));
-    assert!(feed.workers.len() * WORKER_MIN_BYTES + feed.images.len() * IMAGE_BYTES + HEADER_BYTES + 4 <= data.len());
+    assert!(
+        feed.workers.len() * WORKER_MIN_BYTES + feed.images.len() * IMAGE_BYTES + HEADER_BYTES + 4
+            <= data.len()
+    );
     let encoded = encode(feed);
     assert_eq!(encoded.len(), data.len(), "re-encoded length");
     let differing: Vec<usize> = encoded
@@ -59,7 +62,11 @@ fn accepted(data: &[u8], feed: &Feed) {
 /// Offsets of the workers' flag bytes in a well-formed feed.
 fn worker_flag_offsets(bytes: &[u8]) -> Vec<usize> {
     let mut out = Vec::new();
-    let n = u32::from_le_bytes(bytes[HEADER_BYTES - 4..HEADER_BYTES].try_into().unwrap_or_default());
+    let n = u32::from_le_bytes(
+        bytes[HEADER_BYTES - 4..HEADER_BYTES]
+            .try_into()
+            .unwrap_or_default(),
+    );
     let mut at = HEADER_BYTES;
     for _ in 0..n {
         let name = usize::from(bytes[at]);

@@ -18,8 +18,10 @@
 //!   docs/FUZZING.md), and the cases it judged for the reader are exempted below, each with
 //!   its verdict.
 
-use crate::split::seeded_pieces;
-use mmrouter::image_header::{HeaderError, HeaderReader, ImageFormat, ImageInfo, read_image_header};
+use super::split::seeded_pieces;
+use mmrouter::image_header::{
+    HeaderError, HeaderReader, ImageFormat, ImageInfo, read_image_header,
+};
 use std::io::Cursor;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -102,7 +104,8 @@ fn agree(
 /// Whether the file carries something that can be an orientation: TIFF tag 0x0112 in either
 /// byte order, or XMP's `Orientation`.
 fn has_orientation_tag(data: &[u8]) -> bool {
-    data.windows(2).any(|w| w == [0x01, 0x12] || w == [0x12, 0x01])
+    data.windows(2)
+        .any(|w| w == [0x01, 0x12] || w == [0x12, 0x01])
         || data.windows(11).any(|w| w == b"Orientation")
 }
 
@@ -135,9 +138,9 @@ fn reference_jpeg(data: &[u8]) -> Option<(u32, u32)> {
 
 fn reference_gif(data: &[u8]) -> Option<(u32, u32)> {
     let mut options = gif::DecodeOptions::new();
-    options.set_memory_limit(gif::MemoryLimit::Bytes(
-        std::num::NonZeroU64::new(REFERENCE_BYTES as u64)?,
-    ));
+    options.set_memory_limit(gif::MemoryLimit::Bytes(std::num::NonZeroU64::new(
+        REFERENCE_BYTES as u64,
+    )?));
     let mut decoder = options.read_info(Cursor::new(data)).ok()?;
     let (sw, sh) = (u32::from(decoder.width()), u32::from(decoder.height()));
     let frame = decoder.read_next_frame().ok()??;

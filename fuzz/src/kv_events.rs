@@ -69,7 +69,11 @@ fn one(payload: &[u8], limits: &KvEventLimits) {
                 same_batch(&again, &batch),
                 "{form:?}/{hashes:?} round trip: {batch:?} came back as {again:?}"
             );
-            assert_eq!(encode_batch(&again, form, hashes), encoded, "encoding is stable");
+            assert_eq!(
+                encode_batch(&again, form, hashes),
+                encoded,
+                "encoding is stable"
+            );
         }
     }
 }

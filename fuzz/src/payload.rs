@@ -14,7 +14,7 @@
 //! - what decodes has at most 3 bytes per 4 symbols, and re-encoded (standard alphabet,
 //!   padded) decodes to the same bytes; white space removed, it decodes the same.
 
-use crate::split::{pieces, split};
+use super::split::{pieces, split};
 use base64::Engine as _;
 use mmrouter::identity::{DecodeError, decode_base64};
 use mmrouter::image_header::read_image_header;
@@ -119,7 +119,10 @@ fn standalone(payload: &str, decoded: &Result<Vec<u8>, DecodeError>) {
         .bytes()
         .filter(|b| !b.is_ascii_whitespace() && *b != b'=')
         .count();
-    assert!(bytes.len() <= symbols * 3 / 4, "more bytes than symbols allow");
+    assert!(
+        bytes.len() <= symbols * 3 / 4,
+        "more bytes than symbols allow"
+    );
     if !bytes.is_empty() {
         let again = base64::engine::general_purpose::STANDARD.encode(bytes);
         assert_eq!(decode_base64(&again).as_ref(), Ok(bytes), "re-encoded");

@@ -58,7 +58,11 @@ fn block_bucket(value: &[u8]) {
     for e in &b.entries {
         let mut found = Vec::new();
         holders_of(value, e.key, &mut found);
-        let first = b.entries.iter().find(|f| f.key == e.key).map(|f| &f.holders);
+        let first = b
+            .entries
+            .iter()
+            .find(|f| f.key == e.key)
+            .map(|f| &f.holders);
         assert_eq!(Some(&found), first, "holders_of {:x}", e.key);
     }
 }
@@ -95,10 +99,10 @@ fn decision(value: &[u8]) {
     match DecisionRecord::decode(value) {
         Some(r) => assert_eq!(r.encode(), value),
         None => {
-            // u8 version 1 | u16 slot | u64 time | u32 new blocks | u32 n | n × u64
-            let well_formed = value.len() >= 19 && value[0] == 1 && {
-                let n = u32::from_le_bytes([value[15], value[16], value[17], value[18]]);
-                u64::from(n) * 8 == (value.len() - 19) as u64
+            // u8 version 2 | u16 slot | u64 time | u32 new blocks | u32 first | u32 n | n × u64
+            let well_formed = value.len() >= 23 && value[0] == 2 && {
+                let n = u32::from_le_bytes([value[19], value[20], value[21], value[22]]);
+                u64::from(n) * 8 == (value.len() - 23) as u64
             };
             assert!(!well_formed, "a well-framed record did not decode");
         }
@@ -180,9 +184,8 @@ fn prefix(value: &[u8]) {
     let buckets = p.get(2..).unwrap_or_default();
     let config = small_blocks();
     let budget = usize::from(value.first().copied().unwrap_or(0) % 16);
-    let mut fetch = |i: u32| {
-        (!buckets.is_empty()).then(|| buckets[i as usize % buckets.len()].to_vec())
-    };
+    let mut fetch =
+        |i: u32| (!buckets.is_empty()).then(|| buckets[i as usize % buckets.len()].to_vec());
     let m = match_prefix(&keys, &live.slots, &config, budget, &mut fetch);
     assert_eq!(m.depths.len(), live.slots.len());
     assert!(m.depths.iter().all(|&d| d <= keys.len()));
@@ -222,7 +225,11 @@ fn drained(value: &[u8]) {
         };
         if !preset || version > 1 {
             // Written by the drain: well-formed.
-            assert_eq!(Bucket::decode(&bytes).encode(), bytes, "bucket {i} as written");
+            assert_eq!(
+                Bucket::decode(&bytes).encode(),
+                bytes,
+                "bucket {i} as written"
+            );
         }
     }
 }

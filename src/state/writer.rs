@@ -177,7 +177,7 @@ pub struct DrainStats {
     pub lost: u64,
 }
 
-/// Applies up to `max` queued decisions: each moves its worker's allocation clock by its new
+/// Takes up to `max` records off the queue and applies the decisions among them: each moves its worker's allocation clock by its new
 /// blocks (unless the worker's engine events drive the clock) and footprint, and stamps its
 /// block keys with the worker's clock. The engine frees a finished request's blocks tail
 /// first, so its head stays cached longest: key `i` of a request is stamped `clock - i`. Updates are grouped per bucket: one read and at most
@@ -193,7 +193,10 @@ pub fn drain(
     let mut stats = DrainStats::default();
     let mut records = Vec::new();
     let queue = keys.decisions();
-    while records.len() < max {
+    // `max` bounds the records taken off the queue, malformed ones included: a queue full of
+    // records this version cannot read (a writer of another version) costs one tick `max`
+    // dequeues, not the whole queue (found by the fuzz target `state`).
+    for _ in 0..max {
         match store.dequeue(&queue) {
             Ok(Some(bytes)) => match DecisionRecord::decode(&bytes) {
                 Some(r) => records.push(r),
@@ -491,6 +494,27 @@ mod tests {
         decide(&store, &keys, 1, 9, &[5001]);
         drain(&store, &keys, &config, 60_000, 40, 100);
         assert_eq!(depths(&store, &keys, &config, &chain), vec![0, 0]);
+    }
+
+    #[test]
+    fn a_drain_takes_at_most_max_records_even_when_they_are_malformed() {
+        let (store, keys, config) = setup(2);
+        for _ in 0..5 {
+            store.enqueue(&keys.decisions(), b"o").expect("enqueue");
+        }
+        decide(&store, &keys, 1, 4, &[1, 2, 3, 4]);
+        let s = drain(&store, &keys, &config, 60_000, 10, 2);
+        assert_eq!(
+            (s.applied, s.dropped),
+            (0, 2),
+            "two records taken, both unreadable"
+        );
+        let s = drain(&store, &keys, &config, 60_000, 10, 100);
+        assert_eq!(
+            (s.applied, s.dropped),
+            (1, 3),
+            "the rest, and the decision behind them"
+        );
     }
 
     #[test]
