@@ -992,6 +992,42 @@ fn the_body_limit_stops_the_scan_as_soon_as_it_is_crossed() {
 }
 
 #[test]
+fn an_error_before_the_body_limit_is_the_error_however_the_body_is_cut() {
+    // Invalid JSON (a raw control character in a string) at byte 20, the body over the limit
+    // of 100: given whole or in pieces, the error is the invalid JSON, not "too large"
+    // (found by the fuzz target `analyze`, fuzz/regressions/analyze/).
+    let limits = Limits {
+        max_body_bytes: 100,
+        ..Limits::default()
+    };
+    let mut body = br#"{"model":"m","x":"ab"#.to_vec();
+    body.push(0x01);
+    body.extend_from_slice(&[b'a'; 150]);
+    let mut whole = BodyScanner::new(&limits);
+    let e = whole.feed(&body).unwrap_err();
+    assert!(matches!(e, RequestError::Json(_)), "{e}");
+    let mut pieces = BodyScanner::new(&limits);
+    let mut first = None;
+    for piece in body.chunks(7) {
+        if let Err(e) = pieces.feed(piece) {
+            first = Some(e);
+            break;
+        }
+    }
+    assert_eq!(first.map(|e| e.to_string()), Some(e.to_string()));
+    // Without an error under the limit, crossing it is the error.
+    let mut s = BodyScanner::new(&limits);
+    let e = s.feed(&[b' '; 150]).unwrap_err();
+    assert_eq!(
+        e,
+        RequestError::TooLarge {
+            bytes: 150,
+            limit: 100
+        }
+    );
+}
+
+#[test]
 fn the_nesting_and_media_limits_hold_in_the_pass() {
     let limits = Limits {
         max_nesting: 5,

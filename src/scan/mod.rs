@@ -232,12 +232,20 @@ impl BodyScanner {
         if let Some(e) = &self.error {
             return Err(e.clone());
         }
+        let allowed = self.limits.max_body_bytes.saturating_sub(self.seen);
         self.seen = self.seen.saturating_add(piece.len());
-        let result = if self.seen > self.limits.max_body_bytes {
-            Err(RequestError::TooLarge {
-                bytes: self.seen,
-                limit: self.limits.max_body_bytes,
-            })
+        let result = if piece.len() > allowed {
+            // The bytes under the limit are read first, so that an error in them is the
+            // body's error however it was cut into pieces (found by the fuzz target
+            // `analyze`: a body given whole said "too large", the same body in pieces named
+            // the invalid JSON before the limit).
+            let under = piece.get(..allowed).unwrap_or(piece);
+            self.lexer
+                .feed(under, &mut self.shape)
+                .and(Err(RequestError::TooLarge {
+                    bytes: self.seen,
+                    limit: self.limits.max_body_bytes,
+                }))
         } else {
             self.lexer.feed(piece, &mut self.shape)
         };
