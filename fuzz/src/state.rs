@@ -128,7 +128,13 @@ fn live(value: &[u8]) {
         return;
     }
     let encoded = t.encode();
-    assert!(value.starts_with(&encoded), "re-encodes to other bytes");
+    // The precise word is read as its bit 0 (the others are ignored, as the feed's flags):
+    // only that bit re-encodes.
+    let mut expected = value.get(..encoded.len()).unwrap_or(value).to_vec();
+    if let Some(word) = expected.get_mut(16..20) {
+        word.copy_from_slice(&[word[0] & 1, 0, 0, 0]);
+    }
+    assert_eq!(expected, encoded, "re-encodes to other bytes");
     assert_eq!(LiveTable::decode(&encoded).encode(), encoded);
 }
 
