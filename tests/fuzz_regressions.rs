@@ -407,7 +407,7 @@ fn write_seeds() {
         address: format!("127.0.0.{}:800{i}", i + 1),
         healthy: i != 2,
         metrics_valid: true,
-        events_connected: i % 2 == 0,
+        events_connected: i.is_multiple_of(2),
         capacity: 16384,
         block_size: 16,
         waiting: i as f32,
