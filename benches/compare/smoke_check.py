@@ -36,7 +36,7 @@ def check(out, min_requests):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: hit rate {h!r} not in [0, 1]")
         if r["system"] != "sim" and r.get("errors"):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: {r['errors']} errors")
-        if r["system"] == "mmrouter" and "prediction_mae_tokens" not in r:
+        if r["system"] in ("mmrouter", "mmrouter-approx") and "prediction_mae_tokens" not in r:
             problems.append(f"{r['family']}/{r['workers']}/mmrouter: no prediction error "
                             "(x-mmrouter-overlap missing?)")
     for fam, w in sorted(cells):
