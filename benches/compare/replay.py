@@ -143,7 +143,10 @@ class Fleet:
 
         def ready():
             status, body = http_get(f"http://127.0.0.1:{port}/v1/state")
-            return status == 200 and body.count('"healthy":true') >= len(self.workers)
+            if status != 200:
+                return False
+            workers = json.loads(body).get("workers", [])
+            return sum(1 for w in workers if w.get("healthy")) >= len(self.workers)
 
         wait_until(ready, 30, "mmrouter-sidecar", self.procs[-1], log)
         return f"127.0.0.1:{port}", eds
