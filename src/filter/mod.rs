@@ -36,6 +36,7 @@
 
 pub mod config;
 pub mod feed_apply;
+pub mod fetch;
 #[cfg(all(feature = "filter", target_arch = "wasm32"))]
 mod metrics;
 pub mod poller;
