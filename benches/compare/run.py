@@ -1,393 +1,62 @@
 #!/usr/bin/env python3
-"""Replays one multimodal trace through several routers in front of fresh mock vLLM workers.
+"""Routing-quality harness: trace families replayed side by side through several routers.
 
-    .venv/bin/python benches/compare/run.py [--trace FILE | --seed N] [--systems a,b,...]
-        [--workers 4] [--repeat 1] [--out DIR] [--router-config LABEL=FILE ...]
+    .venv/bin/python benches/compare/run.py [--families all] [--workers 2,4,8] [--seeds 1,2,3]
+        [--systems mmrouter,sglang,envoy-rr,bound] [--quick] [--out DIR] ...
 
-Systems (each gets its own fresh workers, so every cache starts empty):
-  mmrouter     Envoy + the mmrouter Wasm filter (envoy/render.py), default configuration
-  mmrouter-L   the same with --router-config L=FILE merged into the plugin configuration
-  sglang       SGLang's router (PyPI sglang-router), --policy cache_aware, default thresholds
-  sglang-bal   the same with --balance-abs-threshold 4 (default 64): balances at this scale
-  envoy-rr     plain Envoy, round robin over the same workers (no filter)
-  oracle       not a router: one mock worker with an unbounded cache and no emulated time,
-               the trace replayed 10x faster; its hit rate bounds what routing can reach
+(scripts/bench-compare builds and installs what this needs, then runs it.)
 
-Every system sees the same trace: session starts at the trace's Poisson times, later turns
-`think` seconds after the previous turn finished, each re-sending the whole conversation with
-the answers the workers streamed (identical on every worker: the mock's output depends only on
-the prompt). Requests stream with stream_options.include_usage, so TTFT is the first content
-chunk and cached_tokens comes from the usage chunk.
-
-Per system it writes DIR/<system>-<run>.json (per-request records, worker metrics) and prints
-a summary; DIR/summary.json and DIR/summary.md hold every run. Needs aiohttp and Pillow
-(benches/compare/requirements.txt), Envoy (MMROUTER_ENVOY or .venv/bin/envoy), the filter
-(MMROUTER_WASM) and the mock worker (MOCK_WORKER_BIN); scripts/bench-compare sets them.
+For every family x worker count x seed it replays one seeded trace (trace.py) through each
+system (replay.py), each on its own fresh mock workers, and computes the offline `sim`
+reference for that cache size and worker count (sim.py). Requests are built ahead of the replay
+with the mock's own rules (blocks.py, the trace-blocks tool), so every system is sent the same
+bytes in the same arrival pattern. Results accumulate in DIR/results.json (one entry per run,
+written as it goes; --resume skips runs already there), per-request records in DIR/records/,
+the traces in DIR/traces/; at the end report.py writes DIR/report.md, DIR/report.json and the
+PNG plots. Needs aiohttp, Pillow, sglang-router and matplotlib
+(benches/compare/requirements.txt), Envoy (MMROUTER_ENVOY), the filter (MMROUTER_WASM), the
+mock worker (MOCK_WORKER_BIN) and trace-blocks (TRACE_BLOCKS_BIN).
 """
 import argparse
 import asyncio
+import datetime
+import hashlib
 import json
 import os
-import re
-import shutil
-import signal
-import socket
-import statistics
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "envoy"))
-import render  # noqa: E402  envoy/render.py
+import blocks  # noqa: E402
+import replay  # noqa: E402
+import report  # noqa: E402
+import sim  # noqa: E402
 import trace as tracegen  # noqa: E402
 
-MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
-SYSTEMS = ("mmrouter", "sglang", "envoy-rr", "oracle")
+DEFAULT_SYSTEMS = ("mmrouter", "mmrouter-approx", "sglang", "envoy-rr", "bound")
 
 MOCK_FLAGS = {"prefill_tps": "prefill-tokens-per-sec", "encoder_ms": "encoder-ms-per-image",
-              "decode_tps": "decode-tokens-per-sec", "gpu_blocks": "num-gpu-blocks",
-              "max_num_seqs": "max-num-seqs", "mm_cache_items": "mm-cache-items"}
+              "decode_tps": "decode-tokens-per-sec", "max_num_seqs": "max-num-seqs",
+              "mm_cache_items": "mm-cache-items"}
 
-# SGLang's balance thresholds scaled to this fleet: its defaults (abs 64, rel 1.5 requests in
-# flight) are for large batches and never trigger at a few requests per worker.
-SGLANG_BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1.5")
-
-# The mock's timing model and cache sizes (see docs/MOCK_WORKER.md); every one is a flag.
+# The mock's timing model (docs/MOCK_WORKER.md); every one is a flag. The cache size is the
+# family's (trace.FAMILIES[...]["gpu_blocks"]) unless --gpu-blocks says otherwise.
 WORKER_DEFAULTS = {
     "prefill_tps": 8000.0,  # uncached prompt tokens per second, one prefill at a time
     "encoder_ms": 40.0,  # per image that needs the encoder
-    "decode_tps": 50.0,  # output tokens per second per sequence
-    "gpu_blocks": 2560,  # 16-token KV blocks per worker: ~20 prompts of the default trace (mean ~2k tokens)
+    "decode_tps": 100.0,  # output tokens per second per sequence
     "max_num_seqs": 32,
     "mm_cache_items": 8,  # vLLM's encoder cache holds a few images, not hundreds
 }
+BLOCK_SIZE = 16
+QUICK_SHARE = 0.3  # --quick: this share of each family's sessions, one seed
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url, timeout=2.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, r.read().decode(errors="replace")
-
-
-def wait_until(pred, timeout, what, proc=None, log=None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if pred():
-                return
-        except Exception:  # noqa: BLE001  (not up yet)
-            pass
-        if proc is not None and proc.poll() is not None:
-            tail = Path(log).read_text()[-3000:] if log else ""
-            raise RuntimeError(f"{what} exited with {proc.returncode}\n{tail}")
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} not ready after {timeout}s")
-
-
-class Fleet:
-    """N mock workers and one router in front of them; every process is stopped on close."""
-
-    def __init__(self, system, n_workers, worker_args, tools, router_config=None):
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"mmrouter-cmp-{system}-"))
-        self.procs = []
-        self.workers = []  # (name, "127.0.0.1:port", log path)
-        self.system = system
-        self.tools = tools
-        try:
-            for i in range(n_workers):
-                self._start_worker(f"w{i}", worker_args)
-            self.port = free_port()
-            if system == "oracle":
-                self.port = int(self.workers[0][1].rsplit(":", 1)[1])
-            elif system.startswith("mmrouter"):
-                self._start_envoy(render.render(
-                    [a for _, a, _ in self.workers], [n for n, _, _ in self.workers],
-                    str(tools["wasm"]), self.port, free_port(), router_config or {}))
-            elif system == "envoy-rr":
-                # The same Envoy configuration without the filter: round robin.
-                self._start_envoy(render.render(
-                    [a for _, a, _ in self.workers], [n for n, _, _ in self.workers],
-                    "", self.port, free_port(), {}, with_filter=False))
-            elif system == "sglang":
-                self._start_sglang()
-            elif system == "sglang-bal":
-                self._start_sglang(SGLANG_BALANCED)
-            else:
-                raise ValueError(f"unknown system {system}")
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def _start_worker(self, name, args):
-        log = self.tmp / f"{name}.log"
-        p = subprocess.Popen([str(self.tools["mock"]), "--port", "0", "--name", name, *args],
-                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        self.procs.append(p)
-
-        def ready():
-            m = re.search(r"listening on ([0-9.]+:\d+)", log.read_text())
-            if m:
-                self.workers.append((name, m.group(1), log))
-                return True
-            return False
-
-        wait_until(ready, 20, f"mock worker {name}", p, log)
-
-    def _start_envoy(self, config):
-        path = self.tmp / "envoy.yaml"
-        path.write_text(config)
-        log = self.tmp / "envoy.log"
-        self.procs.append(subprocess.Popen(
-            [str(self.tools["envoy"]), "-c", str(path), "--concurrency", "2",
-             "--use-dynamic-base-id", "--log-level", "warn", "--component-log-level", "wasm:info",
-             "--log-path", str(log)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_until(lambda: http_get(f"{self.url}/health")[0] == 200, 60, "envoy",
-                   self.procs[-1], log)
-
-    def _start_sglang(self, extra=()):
-        log = self.tmp / "sglang.log"
-        urls = [f"http://{a}" for _, a, _ in self.workers]
-        self.procs.append(subprocess.Popen(
-            [str(self.tools["python"]), "-m", "sglang_router.launch_router",
-             "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *urls,
-             "--policy", "cache_aware", "--log-level", "warn", *extra],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT))
-
-        def ready():
-            # Workers register in the background after the listener is up.
-            status, body = http_get(f"{self.url}/workers")
-            return status == 200 and body.count("127.0.0.1:") >= len(urls)
-
-        wait_until(ready, 60, "sglang router", self.procs[-1], log)
-
-    def metrics(self):
-        out = {}
-        for name, addr, _ in self.workers:
-            _, text = http_get(f"http://{addr}/metrics", timeout=5)
-            out[name] = parse_metrics(text)
-        return out
-
-    def worker_log_lines(self):
-        rows = []
-        for name, _, log in self.workers:
-            for line in log.read_text().splitlines():
-                m = re.search(r"queued_ms=([\d.]+) ttft_ms=([\d.]+) total_ms=([\d.]+)", line)
-                if m:
-                    rows.append({"worker": name, "queued_ms": float(m.group(1)),
-                                 "ttft_ms": float(m.group(2)), "total_ms": float(m.group(3))})
-        return rows
-
-    def close(self):
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def parse_metrics(text):
-    """Sums every sample of each metric name (labels dropped; one engine per mock)."""
-    vals = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            vals[m.group(1)] = vals.get(m.group(1), 0.0) + float(m.group(3))
-    return vals
-
-
-# ----------------------------------------------------------------------------- replay
-
-async def one_request(http, url, body, timeout):
-    """Streams one chat completion; returns a record (times relative to the send)."""
-    import aiohttp
-
-    rec = {"status": None, "ttft": None, "e2e": None, "prompt_tokens": None,
-           "cached_tokens": None, "worker": None, "error": None, "text": ""}
-    t0 = time.perf_counter()
-    try:
-        async with http.post(url + "/v1/chat/completions", data=body,
-                             headers={"content-type": "application/json"},
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            rec["status"] = r.status
-            rec["worker"] = r.headers.get("x-mock-worker")
-            rec["overlap"] = r.headers.get("x-mmrouter-overlap")
-            if r.status != 200:
-                rec["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return rec
-            parts = []
-            buf = b""
-            async for chunk in r.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data: "):
-                            continue
-                        data = line[6:]
-                        if data == b"[DONE]":
-                            continue
-                        obj = json.loads(data)
-                        for ch in obj.get("choices") or []:
-                            c = (ch.get("delta") or {}).get("content")
-                            if c:
-                                if rec["ttft"] is None:
-                                    rec["ttft"] = time.perf_counter() - t0
-                                parts.append(c)
-                        u = obj.get("usage")
-                        if u:
-                            rec["prompt_tokens"] = u.get("prompt_tokens")
-                            rec["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get(
-                                "cached_tokens", 0) or 0
-            rec["text"] = "".join(parts)
-            rec["e2e"] = time.perf_counter() - t0
-            if rec["prompt_tokens"] is None:
-                rec["error"] = "no usage chunk"
-    except Exception as e:  # noqa: BLE001  (a failed request is a result, not a crash)
-        rec["error"] = f"{type(e).__name__}: {e}"[:200]
-    return rec
-
-
-def user_message(text, image_ids, pool):
-    content = [{"type": "image_url", "image_url": {"url": pool.data_url(i)}} for i in image_ids]
-    content.append({"type": "text", "text": text})
-    return {"role": "user", "content": content}
-
-
-async def replay(url, header, turns, pool, deadline_s, timeout_s=120.0, time_factor=1.0):
-    import aiohttp
-
-    sessions = {}
-    for t in turns:
-        sessions.setdefault(t["session"], []).append(t)
-    records = []
-    start = time.perf_counter()
-    system = {"role": "system", "content": header["system_prompt"]}
-
-    async def run_session(ts):
-        messages = [system]
-        await asyncio.sleep(max(0.0, ts[0]["at"] * time_factor - (time.perf_counter() - start)))
-        for t in ts:
-            if t["turn"] > 0:
-                await asyncio.sleep(t["think"] * time_factor)
-            if time.perf_counter() - start > deadline_s:
-                records.append({"session": t["session"], "turn": t["turn"], "error": "skipped: run deadline"})
-                return
-            messages.append(user_message(t["text"], t["images"], pool))
-            body = json.dumps({
-                "model": MODEL, "messages": messages, "max_tokens": t["max_tokens"],
-                "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
-            })
-            sent = time.perf_counter() - start
-            rec = await one_request(http, url, body, timeout_s)
-            rec.update(session=t["session"], turn=t["turn"], sent=round(sent, 4),
-                       images=len(t["images"]),
-                       images_in_prompt=sum(1 for m in messages for c in (m["content"] if isinstance(m["content"], list) else []) if c.get("type") == "image_url"),
-                       body_bytes=len(body))
-            text = rec.pop("text", "")
-            records.append(rec)
-            if rec["error"]:
-                return  # the conversation cannot go on without the answer
-            messages.append({"role": "assistant", "content": text})
-
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=conn) as http:
-        await asyncio.gather(*(run_session(ts) for ts in sessions.values()))
-    return records, time.perf_counter() - start
-
-
-# ----------------------------------------------------------------------------- stats
-
-def pct(xs, p):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summarize(records, metrics, wlog, wall, expected):
-    ok = [r for r in records if not r.get("error")]
-    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    e2e = [r["e2e"] for r in ok]
-    prompt = sum(r["prompt_tokens"] for r in ok)
-    cached = sum(r["cached_tokens"] for r in ok)
-    m_tot = lambda k: sum(m.get(k, 0.0) for m in metrics.values())  # noqa: E731
-    mm_q, enc = m_tot("vllm:mm_cache_queries_total"), m_tot("mock:encoder_runs_total")
-    per_worker = {w: int(m.get("vllm:request_success_total", 0)) for w, m in metrics.items()}
-    counts = list(per_worker.values())
-    mean = sum(counts) / max(1, len(counts))
-    wttft = [r["ttft_ms"] / 1e3 for r in wlog]
-    wq = [r["queued_ms"] / 1e3 for r in wlog]
-    r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
-    last = {}
-    switched = 0
-    fu = [r for r in ok if r["turn"] > 0]
-    first = [r for r in ok if r["turn"] == 0]
-    for r in sorted(ok, key=lambda r: (r["session"], r["turn"])):
-        if r["turn"] > 0 and last.get(r["session"]) not in (None, r["worker"]):
-            switched += 1
-        last[r["session"]] = r["worker"]
-    hit = lambda rs: round(sum(r["cached_tokens"] for r in rs) / max(1, sum(r["prompt_tokens"] for r in rs)), 4)  # noqa: E731
-    return {
-        "requests": expected, "ok": len(ok), "errors": len(records) - len(ok) + (expected - len(records)),
-        "error_samples": sorted({r["error"] for r in records if r.get("error")})[:3],
-        "wall_s": round(wall, 1),
-        "ttft_p50": r3(pct(ttft, 50)), "ttft_p90": r3(pct(ttft, 90)), "ttft_p99": r3(pct(ttft, 99)),
-        "ttft_mean": r3(statistics.fmean(ttft) if ttft else None),
-        "e2e_p50": r3(pct(e2e, 50)), "e2e_p90": r3(pct(e2e, 90)),
-        "worker_ttft_p50": r3(pct(wttft, 50)), "worker_ttft_p90": r3(pct(wttft, 90)),
-        "worker_queued_p90": r3(pct(wq, 90)),
-        "prompt_tokens": prompt, "cached_tokens": cached,
-        "hit_rate": round(cached / prompt, 4) if prompt else None,
-        "first_turn_hit_rate": hit(first), "followup_hit_rate": hit(fu),
-        "followups_switched_worker": switched, "followups": len(fu),
-        "engine_hit_rate": round(m_tot("vllm:prefix_cache_hits_total") / max(1.0, m_tot("vllm:prefix_cache_queries_total")), 4),
-        "images_in_prompts": int(mm_q), "encoder_runs": int(enc),
-        "encoder_avoided": round(1 - enc / mm_q, 4) if mm_q else None,
-        "kv_blocks_evicted": int(m_tot("mock:kv_blocks_removed_total")),
-        "per_worker": per_worker,
-        "imbalance_max_over_mean": round(max(counts) / mean, 3) if counts and mean else None,
-    }
-
-
-def fmt_row(system, s):
-    f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
-    dist = "/".join(str(v) for v in s["per_worker"].values())
-    return (f"| {system} | {f(s['ttft_p50'])} | {f(s['ttft_p90'])} | {f(s['ttft_p99'])} | "
-            f"{f(s['e2e_p50'])} | {f(s['e2e_p90'])} | {f(100 * s['hit_rate'], 1) if s['hit_rate'] is not None else '-'}% | "
-            f"{f(100 * s['encoder_avoided'], 1) if s['encoder_avoided'] is not None else '-'}% "
-            f"({s['encoder_runs']}/{s['images_in_prompts']}) | {dist} | {s['errors']} |")
-
-
-TABLE_HEAD = ("| system | TTFT p50 s | TTFT p90 s | TTFT p99 s | e2e p50 s | e2e p90 s | "
-              "prefix hit | encoder avoided (runs/images) | requests per worker | errors |\n"
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-
-
-# ----------------------------------------------------------------------------- main
 
 def tools_from_env():
     target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
@@ -395,98 +64,309 @@ def tools_from_env():
         "wasm": Path(os.environ.get("MMROUTER_WASM", target / "wasm32-wasip1/wasm/mmrouter.wasm")),
         "mock": Path(os.environ.get("MOCK_WORKER_BIN", target / "release/mock-worker")),
         "envoy": Path(os.environ.get("MMROUTER_ENVOY", ROOT / ".venv/bin/envoy")),
+        "sidecar": Path(os.environ.get("MMROUTER_SIDECAR_BIN", target / "release/mmrouter-sidecar")),
+        "trace_blocks": Path(os.environ.get("TRACE_BLOCKS_BIN", target / "release/examples/trace-blocks")),
         "python": Path(os.environ.get("BENCH_PYTHON", sys.executable)),
     }
+
+
+def build_id(tools):
+    """What was measured: the filter's sha256 and the checkout's commit."""
+    out = {}
+    w = tools["wasm"]
+    if w.exists():
+        out["wasm_sha256"] = hashlib.sha256(w.read_bytes()).hexdigest()[:12]
+        out["wasm"] = str(w)
+    try:
+        out["commit"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    for name in ("envoy", "mock"):
+        out[name] = str(tools[name])
+    return out
+
+
+def parse_list(s, cast=str):
+    return [cast(x.strip()) for x in str(s).split(",") if x.strip()]
+
+
+def fmt_dur(s):
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Plan:
+    """The traces, request sets and runs of one invocation."""
+
+    def __init__(self, a, tools):
+        self.a = a
+        self.families = (list(tracegen.FAMILIES) if a.families == "all"
+                         else parse_list(a.families))
+        for f in self.families:
+            if f not in tracegen.FAMILIES and f != "legacy":
+                sys.exit(f"unknown family {f} (known: {', '.join(tracegen.FAMILIES)}, legacy)")
+        self.pool_dir = a.images_dir
+        self.tools = tools
+        self.cells = {}  # (family, seed) -> dict(header, requests, gpu_blocks, dropped, ...)
+        self._expanded = {}
+
+    def cell(self, family, seed, trace_file=None):
+        key = (family, seed)
+        if key in self.cells:
+            return self.cells[key]
+        a = self.a
+        if trace_file:
+            header, turns = tracegen.load(trace_file)
+            gpu = a.gpu_blocks or 4096
+        else:
+            p = tracegen.FAMILIES.get(family, tracegen.SESSIONS)
+            sessions = a.sessions
+            if a.quick and not sessions and family != "legacy":
+                sessions = max(8, round(p["sessions"] * QUICK_SHARE))
+            over = {"users": a.users} if a.users else {}
+            header, turns = tracegen.family_trace(family, seed, sessions=sessions, **over)
+            gpu = p["gpu_blocks"]
+            if a.gpu_blocks and not family.startswith("tight-"):
+                gpu = a.gpu_blocks
+        pool = tracegen.ImagePool(header, self.pool_dir)
+        pool.warm()
+        # tight-* replay the sessions trace: expand each distinct trace once.
+        tkey = hashlib.sha256(json.dumps([header["system_prompts"], header["images"], turns],
+                                         sort_keys=True).encode()).hexdigest()
+        if tkey not in self._expanded:
+            tool = blocks.TraceBlocks(self.tools["trace_blocks"], BLOCK_SIZE)
+            try:
+                self._expanded[tkey] = blocks.expand(header, turns, pool, tool)
+            finally:
+                tool.close()
+        reqs, dropped = blocks.fit_to_cache(self._expanded[tkey], gpu, BLOCK_SIZE)
+        tdir = Path(a.out) / "traces"
+        tdir.mkdir(parents=True, exist_ok=True)
+        tracegen.save(tdir / f"{family}-seed{seed}.jsonl", header, turns)
+        order = sim.nominal_order(reqs, header["arrival"], a.prefill_tps, a.decode_tps, a.encoder_ms)
+        c = {"header": header, "requests": reqs, "gpu_blocks": gpu, "dropped": dropped,
+             "order": order, "summary": tracegen.summary(header, turns, pool),
+             "set_key": (tkey, gpu if dropped else None)}
+        c["summary"].update(requests_replayed=len(reqs), requests_dropped_too_long=dropped,
+                            prompt_tokens_mean=round(sum(r.prompt_tokens for r in reqs) / max(1, len(reqs))),
+                            prompt_tokens_max=max((r.prompt_tokens for r in reqs), default=0),
+                            body_kb_mean=round(sum(len(r.body) for r in reqs) / max(1, len(reqs)) / 1024))
+        self.cells[key] = c
+        return c
+
+
+def worker_args(a, gpu_blocks, time_scale):
+    return ["--time-scale", str(time_scale), "--prefill-tokens-per-sec", str(a.prefill_tps),
+            "--encoder-ms-per-image", str(a.encoder_ms), "--decode-tokens-per-sec", str(a.decode_tps),
+            "--num-gpu-blocks", str(gpu_blocks), "--max-num-seqs", str(a.max_num_seqs),
+            "--mm-cache-items", str(a.mm_cache_items), "--model", tracegen.MODEL]
+
+
+def run_system(a, tools, system, n_workers, cell, variants):
+    """One replay of a cell's requests through `system`; returns (summary, records, extra)."""
+    header = cell["header"]
+    if system == "bound":
+        # One worker, a cache that never evicts, no emulated time, waits x0.02: the most any
+        # router can get from the caches on this trace (order aside).
+        args = worker_args(a, 1_000_000, 0) + ["--mm-cache-items", "0"]
+        fleet, factor, scale = replay.Fleet(system, 1, args, tools), 0.02, 0.0
+    else:
+        args = worker_args(a, cell["gpu_blocks"], a.time_scale)
+        fleet = replay.Fleet(system, n_workers, args, tools, variants.get(system))
+        factor = scale = a.time_scale
+    try:
+        records, wall = asyncio.run(replay.replay(fleet.url, cell["requests"], header["arrival"],
+                                                  factor, a.deadline))
+        time.sleep(0.3)  # let the last finished lines reach the worker logs
+        metrics = fleet.metrics()
+    finally:
+        fleet.close()
+    s = report.summarize(records, metrics, wall, len(cell["requests"]), scale, BLOCK_SIZE)
+    if system == "bound":
+        # The simulator against the mock: the same requests in the order they were sent.
+        by_key = {(r.session, r.turn): r for r in cell["requests"]}
+        ok = sorted((r for r in records if not r.get("error")), key=lambda r: r["sent"])
+        order = [by_key[(r["session"], r["turn"])] for r in ok]
+        simulated = sim.unbounded_single(order, BLOCK_SIZE)
+        mism = sum(1 for r, c in zip(ok, simulated) if r["cached_tokens"] != c)
+        s["sim_check"] = {"requests": len(ok), "mismatched": mism,
+                          "simulated_hit_rate": round(sum(simulated) / max(1, sum(q.prompt_tokens for q in order)), 4)}
+    return s, records
 
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--trace", help="replay this JSONL trace; None = generate one from --seed")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--requests", type=int, help="requests in a generated trace; None = 300")
-    ap.add_argument("--rate", type=float, help="requests/s of a generated trace; None = 5.0")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help="comma-separated: mmrouter, sglang, sglang-bal, envoy-rr, oracle")
+    ap.add_argument("--families", default="all",
+                    help=f"comma-separated, or all: {', '.join(tracegen.FAMILIES)} (legacy: the "
+                         "earlier single trace)")
+    ap.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
+    ap.add_argument("--seeds", default="1,2,3", help="comma-separated trace seeds")
+    ap.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help="comma-separated: mmrouter, sglang, sglang-bal, envoy-rr, bound")
     ap.add_argument("--router-config", action="append", default=[], metavar="LABEL=FILE",
-                    help="also run mmrouter-LABEL with FILE (JSON) merged into the filter configuration; repeatable")
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=1, help="runs of every system")
-    ap.add_argument("--deadline", type=float, default=110.0, help="seconds after which a run sends nothing more")
+                    help="also run mmrouter-LABEL with FILE (JSON) merged into the filter "
+                         "configuration; repeatable")
+    ap.add_argument("--no-sim", action="store_true", help="skip the offline sim reference")
+    ap.add_argument("--trace", help="replay this JSONL trace instead of the families (family "
+                    "name: the file's stem)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: first seed only, {QUICK_SHARE * 100:.0f}%% of each family's sessions")
+    ap.add_argument("--sessions", type=int, help="sessions per trace (default: the family's)")
+    ap.add_argument("--users", type=int, help="concurrent users of closed-loop families (default 8)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every system per cell")
+    ap.add_argument("--time-scale", type=float, default=0.5,
+                    help="mock --time-scale, and the factor on think times and arrivals; "
+                         "latencies are reported divided by it (emulated seconds)")
+    ap.add_argument("--gpu-blocks", type=int,
+                    help="KV blocks per worker for every family but tight-* (default: 4096)")
     for k, v in WORKER_DEFAULTS.items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=v,
                         help="mock-worker --" + MOCK_FLAGS[k])
+    ap.add_argument("--deadline", type=float, default=900.0,
+                    help="wall seconds after which a run sends nothing more")
     ap.add_argument("--images-dir", default=str(Path(tempfile.gettempdir()) / "mmrouter-cmp-images"))
     ap.add_argument("--out", default=str(ROOT / "target/bench-compare"))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep DIR/results.json and skip the runs it already has")
+    ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
 
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.trace:
-        header, turns = tracegen.load(a.trace)
-        trace_name = a.trace
-    else:
-        header, turns = tracegen.generate(a.seed, requests=a.requests, rate=a.rate)
-        trace_name = str(out / f"trace-seed{a.seed}.jsonl")
-        tracegen.save(trace_name, header, turns)
-    pool = tracegen.ImagePool(header, a.images_dir)
-    pool.warm()
-    tsum = tracegen.summary(header, turns, pool)
-    print(f"trace {trace_name}: {json.dumps(tsum)}", flush=True)
-
-    tools = tools_from_env()
-    for k in ("mock", "envoy"):
-        if not tools[k].exists():
-            sys.exit(f"missing {k}: {tools[k]}")
-    worker_args = ["--time-scale", "1", "--prefill-tokens-per-sec", str(a.prefill_tps),
-                   "--encoder-ms-per-image", str(a.encoder_ms), "--decode-tokens-per-sec", str(a.decode_tps),
-                   "--num-gpu-blocks", str(a.gpu_blocks), "--max-num-seqs", str(a.max_num_seqs),
-                   "--mm-cache-items", str(a.mm_cache_items), "--model", MODEL]
+    (out / "records").mkdir(parents=True, exist_ok=True)
+    seeds = [a.seed] if a.seed is not None else parse_list(a.seeds, int)
+    if a.quick:
+        seeds = seeds[:1]
+    workers = parse_list(a.workers, int)
+    systems = parse_list(a.systems)
     variants = {}
     for spec in a.router_config:
         label, _, path = spec.partition("=")
         variants[f"mmrouter-{label}"] = json.loads(Path(path).read_text())
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()] + list(variants)
-    results = []
-    for rep in range(a.repeat):
-        for system in systems:
-            load_before = os.getloadavg()
-            if system == "oracle":
-                # One worker, a cache that never evicts, no emulated time and the trace 10x
-                # faster: the most any router could get from the caches on this trace.
-                args = worker_args + ["--time-scale", "0", "--num-gpu-blocks", "1000000",
-                                      "--mm-cache-items", "0"]
-                fleet, factor = Fleet(system, 1, args, tools), 0.1
-            else:
-                fleet, factor = Fleet(system, a.workers, worker_args, tools,
-                                      variants.get(system)), 1.0
+    systems += list(variants)
+    for s in systems:
+        if s not in replay.ROUTERS and s != "bound" and s not in variants:
+            sys.exit(f"unknown system {s}")
+
+    tools = tools_from_env()
+    for k in ("mock", "envoy", "trace_blocks"):
+        if not tools[k].exists():
+            sys.exit(f"missing {k}: {tools[k]}")
+    if any(s.startswith("mmrouter") for s in systems) and not tools["wasm"].exists():
+        sys.exit(f"missing the filter: {tools['wasm']}")
+    if any(s.startswith("mmrouter") and s != "mmrouter-approx" for s in systems) \
+            and not tools["sidecar"].exists():
+        sys.exit(f"missing mmrouter-sidecar: {tools['sidecar']}")
+
+    plan = Plan(a, tools)
+    families = [Path(a.trace).stem] if a.trace else plan.families
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if a.resume and results_path.exists() else []
+    done = {(r["family"], r["workers"], r["seed"], r["system"], r.get("repeat", 0)) for r in results}
+
+    print(f"bench-compare: preparing traces ({len(families)} families x {len(seeds)} seeds)", flush=True)
+    t_prep = time.time()
+    for f in families:
+        for seed in seeds:
+            c = plan.cell(f, seed, a.trace)
+            print(f"  {f} seed {seed}: {json.dumps(c['summary'])}", flush=True)
+    print(f"  ({time.time() - t_prep:.0f} s)", flush=True)
+
+    meta = {
+        "command": os.environ.get("BENCH_COMMAND") or "benches/compare/run.py " + shlex.join(argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "build": build_id(tools), "time_scale": a.time_scale,
+        "workers_flags": {k: getattr(a, k) for k in WORKER_DEFAULTS},
+        "families": {f: (tracegen.describe_family(f, plan.cells[(f, seeds[0])]["header"]["params"])
+                         if f in tracegen.FAMILIES else f) for f in families},
+        "traces": {f"{f}-seed{s}": plan.cells[(f, s)]["summary"] for f in families for s in seeds},
+        "load": [round(x, 2) for x in os.getloadavg()],
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    # The runs, in order; the bound runs once per distinct request set (it has one worker).
+    runs = []
+    bound_seen = {}
+    for f in families:
+        for w in workers:
+            for seed in seeds:
+                for rep in range(a.repeat):
+                    for s in systems:
+                        runs.append((f, w, seed, s, rep))
+    weight = lambda r: len(plan.cells[(r[0], r[2])]["requests"]) * (0.15 if r[3] == "bound" else 1.0)  # noqa: E731
+    todo = [r for r in runs if r not in done]
+    total_units = sum(weight(r) for r in todo) or 1.0
+    done_units, t0 = 0.0, time.time()
+    print(f"bench-compare: {len(todo)} runs ({len(runs) - len(todo)} already in {results_path}); "
+          f"time scale {a.time_scale}; load {os.getloadavg()[0]:.1f}", flush=True)
+
+    def save():
+        results_path.write_text(json.dumps(results, indent=1))
+
+    # The sim reference, per cell (cheap; no processes).
+    if not a.no_sim:
+        for f in families:
+            for w in workers:
+                for seed in seeds:
+                    if (f, w, seed, "sim", 0) in done:
+                        continue
+                    c = plan.cell(f, seed, a.trace)
+                    b = sim.bound_sim(c["order"], w, c["gpu_blocks"], BLOCK_SIZE)
+                    results.append({"family": f, "workers": w, "seed": seed, "system": "sim",
+                                    "repeat": 0, "gpu_blocks": c["gpu_blocks"],
+                                    "hit_rate": b["hit_rate"], "policy": b["policy"],
+                                    "policies": b["policies"],
+                                    "per_worker": {f"w{i}": n for i, n in enumerate(b["per_worker"])},
+                                    "requests": len(c["requests"]), "errors": 0})
+        save()
+
+    for i, (f, w, seed, s, rep) in enumerate(todo):
+        c = plan.cell(f, seed, a.trace)
+        bkey = (c["set_key"], seed, rep)
+        load_before = os.getloadavg()[0]
+        if s == "bound" and bkey in bound_seen:
+            summ = dict(bound_seen[bkey])
+            wall = 0.0
+        else:
+            t_run = time.time()
             try:
-                records, wall = asyncio.run(replay(fleet.url, header, turns, pool, a.deadline,
-                                                   time_factor=factor))
-                time.sleep(0.3)  # let the last finished lines reach the worker logs
-                metrics = fleet.metrics()
-                wlog = fleet.worker_log_lines()
-            finally:
-                fleet.close()
-            s = summarize(records, metrics, wlog, wall, len(turns))
-            s.update(system=system, run=rep, seed=header["seed"], trace=trace_name,
-                     load_before=[round(x, 2) for x in load_before],
-                     load_after=[round(x, 2) for x in os.getloadavg()])
-            results.append(s)
-            (out / f"{system}-seed{header['seed']}-run{rep}.json").write_text(json.dumps(
-                {"summary": s, "records": records, "metrics": metrics, "worker_log": wlog}, indent=1))
-            print(TABLE_HEAD.splitlines()[0] if len(results) == 1 else "", end="", flush=True)
-            print(("\n" if len(results) == 1 else "") + fmt_row(f"{system} #{rep}", s)
-                  + f"  load {s['load_before'][0]:.1f}->{s['load_after'][0]:.1f} wall {s['wall_s']}s", flush=True)
-    params = {"workers": a.workers, **{k: getattr(a, k) for k in WORKER_DEFAULTS},
-              "trace": tsum, "trace_params": header["params"], "router_configs": variants}
-    summary_path = out / "summary.json"
-    prev = json.loads(summary_path.read_text()) if summary_path.exists() else []
-    summary_path.write_text(json.dumps(prev + [{"params": params, "results": results}], indent=1))
-    md = [f"trace seed {header['seed']}: {json.dumps(tsum)}", "", TABLE_HEAD]
-    md += [fmt_row(f"{r['system']} #{r['run']}", r) for r in results]
-    (out / f"summary-seed{header['seed']}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+                summ, records = run_system(a, tools, s, w, c, variants)
+            except Exception as e:  # noqa: BLE001  (one broken run must not lose the others)
+                print(f"[{i + 1}/{len(todo)}] {f} w={w} seed={seed} {s}: FAILED {e}", flush=True)
+                done_units += weight((f, w, seed, s, rep))
+                continue
+            wall = time.time() - t_run
+            summ["load_before"] = round(load_before, 2)
+            summ["load_after"] = round(os.getloadavg()[0], 2)
+            (out / "records" / f"{f}-w{w}-seed{seed}-{s}-r{rep}.json").write_text(json.dumps(
+                {"summary": summ, "records": records}, indent=0))
+            if s == "bound":
+                bound_seen[bkey] = summ
+        summ.update(family=f, workers=w, seed=seed, system=s, repeat=rep,
+                    gpu_blocks=c["gpu_blocks"] if s != "bound" else None)
+        results = [r for r in results if (r["family"], r["workers"], r["seed"], r["system"],
+                                          r.get("repeat", 0)) != (f, w, seed, s, rep)]
+        results.append(summ)
+        save()
+        done_units += weight((f, w, seed, s, rep))
+        elapsed = time.time() - t0
+        eta = elapsed / done_units * (total_units - done_units) if done_units else 0
+        extra = ""
+        if summ.get("prediction"):
+            extra = f", pred MAE {summ['prediction']['mae_tokens']:.0f} tok"
+        if summ.get("sim_check"):
+            extra = f", sim check {summ['sim_check']['mismatched']}/{summ['sim_check']['requests']} off"
+        ttft = summ.get("ttft_p99")
+        print(f"[{i + 1}/{len(todo)}] {f} w={w} seed={seed} {s}: hit {summ.get('hit_rate')}, "
+              f"TTFT p99 {'-' if ttft is None or s == 'bound' else f'{ttft:.2f} s'}, "
+              f"errors {summ.get('errors')}{extra} ({wall:.0f} s wall, load {load_before:.1f}); "
+              f"elapsed {fmt_dur(elapsed)}, ETA {fmt_dur(eta)}", flush=True)
+
+    md = report.write_report(out, meta, make_plots=not a.no_plots)
+    print(md)
+    print(f"bench-compare: {out / 'report.md'}, {out / 'report.json'}; total {fmt_dur(time.time() - t0)}")
 
 
 if __name__ == "__main__":

@@ -1,24 +1,32 @@
-"""Multimodal chat workload: a seeded trace generator and the deterministic image pool.
+"""Multimodal chat traces for the routing-quality harness: seeded families, the image pool.
 
 A trace is JSONL. The first line is a header:
 
-    {"type": "header", "seed": 1, "params": {...}, "system_prompt": "...",
-     "images": [{"id": "img0007", "w": 1024, "h": 768, "fmt": "jpeg", "seed": 123}, ...]}
+    {"type": "header", "family": "sessions", "seed": 1, "params": {...},
+     "arrival": {"mode": "closed", "users": 8},          # or {"mode": "open"}
+     "system_prompts": ["You are ...", ...],
+     "images": [{"id": "img0007", "w": 1024, "h": 768, "fmt": "webp", "seed": 123}, ...]}
 
-then one line per request (a turn of a session), ordered by session start:
+then one line per request (a turn of a session), sessions in order:
 
-    {"type": "turn", "session": 3, "turn": 0, "at": 1.734, "images": ["img0007"],
-     "text": "...", "max_tokens": 96}
-    {"type": "turn", "session": 3, "turn": 1, "think": 2.1, "images": [], "text": "...",
-     "max_tokens": 64}
+    {"type": "turn", "session": 3, "turn": 0, "system": 2, "at": 1.734, "images": ["img0007"],
+     "text": "...", "max_tokens": 64}
+    {"type": "turn", "session": 3, "turn": 1, "system": 2, "think": 2.1, "images": [],
+     "text": "...", "max_tokens": 32}
 
-Turn 0 of a session is sent `at` seconds after the replay starts (Poisson arrivals). Turn k > 0
-is sent `think` seconds after turn k-1 finished and re-sends the whole conversation: the shared
-system prompt, every earlier user message with its images, and every earlier assistant answer
-as the worker streamed it. Images are references; their bytes are regenerated from (seed, size,
-format) by `ImagePool`, so a trace file stays small and replays bit-identically.
+Every turn re-sends the whole conversation: the session's system prompt, every earlier user
+message with its images (inline data URLs) and every earlier answer as the worker streamed it
+(the mock's answer depends only on the prompt). Turn k > 0 is sent `think` seconds after turn
+k-1's answer ended. Arrival modes:
 
-Only the Python standard library and Pillow are used.
+- `closed`: `users` concurrent users; each takes the next session in trace order, sends its
+  turns one after another, then takes the next session (`at` is ignored);
+- `open`: session s starts `at` seconds after the replay starts, whatever the load.
+
+Images are references; their bytes are regenerated from (seed, size, format) by `ImagePool`,
+so a trace file stays small and replays bit-identically. Families (`FAMILIES`) are generated
+from a seed by `family_trace(name, seed)`; the legacy single trace of earlier versions is
+`generate(seed)` (family `legacy`). Only the Python standard library and Pillow are used.
 """
 import base64
 import io
@@ -36,6 +44,182 @@ WORDS = (
     "that these those there here first second third last number total price date name "
     "between behind above below near far inside outside detail details visible shown"
 ).split()
+
+# ----------------------------------------------------------------------------- families
+
+# The reporter's trace of issue 9: 80 sessions of 1-4 turns (~200 requests), 40 images
+# (JPEG/PNG/WebP, 200-1280 px, Zipf-popular, 0-2 per turn), 6 shared system prompts of
+# 150-400 words, closed loop with 8 users.
+SESSIONS = {
+    "sessions": 80,
+    "turns_weights": [0.25, 0.25, 0.25, 0.25],  # P(session has 1..4 turns)
+    "system_prompts": 6,
+    "system_words": [150, 400],
+    "hot_system_share": None,  # share of sessions on system prompt 0 (None: uniform)
+    "image_pool": 40,  # distinct images
+    "image_zipf": 1.0,  # popularity: P(image of rank r) ~ 1 / r^zipf
+    "new_image_share": None,  # hot images: None; else P(a slot takes a never-used image)
+    "images_weights": [0.35, 0.45, 0.20],  # P(turn has 0..2 images)
+    "first_text": None,  # fixed text of every first turn (None: random words)
+    "min_px": 200,
+    "max_px": 1280,
+    "formats": {"jpeg": 0.5, "png": 0.25, "webp": 0.25},
+    "user_words": [5, 40],
+    "max_tokens": [8, 48],
+    "think_s": [0.5, 2.5],
+    "arrival": "closed",
+    "users": 8,
+    # open arrivals only:
+    "rate": 4.0,  # mean requests per second (Poisson session starts at rate / mean turns)
+    "burst_gap_s": 8.0,  # bursty: mean gap between burst starts (exponential)
+    "burst_sessions": [8, 16],  # bursty: sessions that start in one burst
+    "burst_spread_s": 1.0,  # bursty: a burst's sessions start within this many seconds
+    "gpu_blocks": 4096,  # KV blocks per worker (the mock's default, as the reporter's run)
+}
+
+FAMILIES = {
+    # What the reporter ran; caches hold the working set (4096 blocks per worker).
+    "sessions": dict(SESSIONS),
+    # The same traffic, caches that do not hold it: routing decides what survives eviction.
+    "tight-1024": dict(SESSIONS, gpu_blocks=1024),
+    # 256 blocks = 4096 tokens: sessions are cut before the first turn whose prompt plus
+    # max_tokens cannot fit (run.py does it; the count is reported).
+    "tight-256": dict(SESSIONS, gpu_blocks=256),
+    # Open loop, arrivals in bursts: 8-16 sessions start within 1 s, bursts ~8 s apart.
+    "bursty": dict(SESSIONS, sessions=96, arrival="bursty"),
+    # Open loop Poisson at 4 requests/s; 90% of sessions share one 400-word system prompt:
+    # herding pressure on whichever worker holds it.
+    "hot-system": dict(SESSIONS, arrival="poisson", hot_system_share=0.9,
+                       system_words=[400, 400]),
+    # Mostly new images (90% of slots take an image never seen), each first turn is one image
+    # and "Describe this image." behind a one-line system prompt: new content to spread.
+    "many-images": dict(SESSIONS, sessions=160, turns_weights=[0.75, 0.25], system_prompts=1,
+                        system_words=[6, 6], new_image_share=0.9, image_pool=None,
+                        images_weights=[0.0, 1.0, 0.0], later_images_weights=[1.0],
+                        first_text="Describe this image.", user_words=[4, 12]),
+}
+
+ARRIVAL_DOC = {
+    "closed": "closed loop, {users} users",
+    "poisson": "open loop, Poisson at {rate} req/s",
+    "bursty": "open loop, bursts of {burst_sessions[0]}-{burst_sessions[1]} sessions within "
+              "{burst_spread_s} s every ~{burst_gap_s} s",
+}
+
+
+def describe_family(name, p=None):
+    """One line: the family's arrival mode and shape, for tables and docs."""
+    p = p or FAMILIES[name]
+    arrival = ARRIVAL_DOC[p["arrival"]].format(**p)
+    return (f"{arrival}; {p['sessions']} sessions of 1-{len(p['turns_weights'])} turns; "
+            f"{p['gpu_blocks']} blocks/worker")
+
+
+def _words(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _image_spec(rng, idx, p):
+    # Width and height each uniform in [min_px, max_px].
+    w, h = rng.randint(p["min_px"], p["max_px"]), rng.randint(p["min_px"], p["max_px"])
+    fmts = p.get("formats") or {"jpeg": 0.75, "png": 0.25}
+    fmt = rng.choices(list(fmts), list(fmts.values()))[0]
+    return {"id": f"img{idx:04d}", "w": w, "h": h, "fmt": fmt, "seed": rng.randrange(1 << 30)}
+
+
+def family_trace(name, seed, sessions=None, **overrides):
+    """Returns (header, turns) for family `name` from `seed`; `sessions` scales it down (quick
+    runs) and `overrides` replace parameters."""
+    if name == "legacy":
+        return generate(seed, **overrides)
+    p = dict(FAMILIES[name])
+    p.update({k: v for k, v in overrides.items() if v is not None})
+    if sessions:
+        p["sessions"] = sessions
+    # The traffic of a family is its own: the seed stream also depends on the family's shape,
+    # not on the cache size (tight-* replay exactly the sessions trace of the same seed).
+    shape = {k: v for k, v in p.items() if k != "gpu_blocks"}
+    rng = random.Random(f"{seed}/{json.dumps(shape, sort_keys=True)}")
+    n_sys = p["system_prompts"]
+    systems = []
+    for k in range(n_sys):
+        lo, hi = p["system_words"]
+        systems.append(f"You are assistant {k}. " + _words(rng, rng.randint(lo, hi)))
+
+    images = []
+    pool_n = p["image_pool"]
+    if pool_n:
+        images = [_image_spec(rng, i, p) for i in range(pool_n)]
+    zipf = lambda n: [1.0 / (r + 1) ** p["image_zipf"] for r in range(n)]  # noqa: E731
+
+    def pick_image(exclude):
+        new_share = p["new_image_share"]
+        if new_share is not None and (not images or rng.random() < new_share):
+            spec = _image_spec(rng, len(images), p)
+            images.append(spec)
+            return spec["id"]
+        weights = zipf(len(images))
+        for _ in range(16):
+            cand = rng.choices(images, weights)[0]["id"]
+            if cand not in exclude:
+                return cand
+        return cand
+
+    def pick_system():
+        share = p["hot_system_share"]
+        if share is not None:
+            return 0 if rng.random() < share or n_sys == 1 else rng.randrange(1, n_sys)
+        return rng.randrange(n_sys)
+
+    tw = p["turns_weights"]
+    mean_turns = sum((i + 1) * w for i, w in enumerate(tw)) / sum(tw)
+    turns = []
+    t = 0.0
+    burst_left = 0
+    for s in range(p["sessions"]):
+        # Arrival time of the session's first turn (open loop only).
+        if p["arrival"] == "poisson":
+            t += rng.expovariate(p["rate"] / mean_turns)
+            at = t
+        elif p["arrival"] == "bursty":
+            if burst_left == 0:
+                t += rng.expovariate(1.0 / p["burst_gap_s"]) if s else 0.0
+                burst_left = rng.randint(*p["burst_sessions"])
+            burst_left -= 1
+            at = t + rng.uniform(0, p["burst_spread_s"])
+        else:
+            at = 0.0
+        n_turns = rng.choices(range(1, len(tw) + 1), tw)[0]
+        system = pick_system()
+        used = set()
+        for k in range(n_turns):
+            iw = p["images_weights"] if k == 0 else p.get("later_images_weights", p["images_weights"])
+            n_img = rng.choices(range(len(iw)), iw)[0]
+            imgs = []
+            for _ in range(n_img):
+                i = pick_image(used)
+                used.add(i)
+                imgs.append(i)
+            if k == 0 and p["first_text"]:
+                text = p["first_text"]
+            else:
+                text = _words(rng, rng.randint(*p["user_words"])) + "?"
+            turn = {"type": "turn", "session": s, "turn": k, "system": system, "images": imgs,
+                    "text": text, "max_tokens": rng.randint(*p["max_tokens"])}
+            if k == 0:
+                turn["at"] = round(at, 4)
+            else:
+                turn["think"] = round(rng.uniform(*p["think_s"]), 3)
+            turns.append(turn)
+    arrival = ({"mode": "closed", "users": p["users"]} if p["arrival"] == "closed"
+               else {"mode": "open"})
+    used_ids = {i for tr in turns for i in tr["images"]}
+    header = {"type": "header", "family": name, "seed": seed, "params": p, "arrival": arrival,
+              "system_prompts": systems, "images": [x for x in images if x["id"] in used_ids]}
+    return header, turns
+
+
+# ----------------------------------------------------------------------------- legacy trace
 
 DEFAULTS = {
     "requests": 300,  # total requests (turns) in the trace
@@ -55,11 +239,7 @@ DEFAULTS = {
 }
 
 
-def _words(rng, n):
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def _image_spec(rng, idx, p):
+def _legacy_image_spec(rng, idx, p):
     # Sizes skew small (phone screenshots, thumbnails) with a tail of large photos.
     long_side = int(p["min_px"] + (p["max_px"] - p["min_px"]) * rng.random() ** 1.6)
     aspect = rng.choice([1.0, 4 / 3, 3 / 2, 16 / 9, 3 / 4, 9 / 16])
@@ -72,7 +252,8 @@ def _image_spec(rng, idx, p):
 
 
 def generate(seed=1, **overrides):
-    """Returns (header, turns) for a seeded workload; see the module doc for the shapes."""
+    """The earlier harness's single trace (family `legacy`): open loop, Poisson session starts
+    at `rate`, one shared system prompt, sessions of 1-5 turns, 1-3 images on a first turn."""
     p = dict(DEFAULTS)
     p.update({k: v for k, v in overrides.items() if v is not None})
     rng = random.Random(seed)
@@ -87,7 +268,7 @@ def generate(seed=1, **overrides):
                 cand = rng.choices(seen, weights)[0]
                 if cand not in exclude:
                     return cand
-        spec = _image_spec(rng, len(images), p)
+        spec = _legacy_image_spec(rng, len(images), p)
         images.append(spec)
         seen.append(spec["id"])
         return spec["id"]
@@ -114,7 +295,7 @@ def generate(seed=1, **overrides):
                 i = pick_image(used)
                 used.add(i)
                 imgs.append(i)
-            turn = {"type": "turn", "session": session, "turn": k, "images": imgs,
+            turn = {"type": "turn", "session": session, "turn": k, "system": 0, "images": imgs,
                     "text": _words(rng, rng.randint(*p["user_words"])) + "?",
                     "max_tokens": rng.randint(*p["max_tokens"])}
             if k == 0:
@@ -123,10 +304,12 @@ def generate(seed=1, **overrides):
                 turn["think"] = round(rng.uniform(*p["think_s"]), 3)
             turns.append(turn)
         session += 1
-    header = {"type": "header", "seed": seed, "params": p, "system_prompt": system_prompt,
-              "images": images}
+    header = {"type": "header", "family": "legacy", "seed": seed, "params": p,
+              "arrival": {"mode": "open"}, "system_prompts": [system_prompt], "images": images}
     return header, turns
 
+
+# ----------------------------------------------------------------------------- files
 
 def save(path, header, turns):
     with open(path, "w") as f:
@@ -136,6 +319,8 @@ def save(path, header, turns):
 
 
 def load(path):
+    """Reads a trace; traces of the earlier format (one `system_prompt`, open loop) load as
+    such."""
     header, turns = None, []
     with open(path) as f:
         for line in f:
@@ -148,12 +333,30 @@ def load(path):
                 turns.append(obj)
     if header is None:
         raise ValueError(f"{path}: no header line")
+    if "system_prompts" not in header:
+        header["system_prompts"] = [header.pop("system_prompt")]
+    header.setdefault("arrival", {"mode": "open"})
+    header.setdefault("family", Path(path).stem)
+    for t in turns:
+        t.setdefault("system", 0)
     return header, turns
 
 
+def sessions_of(turns):
+    """{session: [turns in order]} in first-appearance order."""
+    out = {}
+    for t in turns:
+        out.setdefault(t["session"], []).append(t)
+    for ts in out.values():
+        ts.sort(key=lambda t: t["turn"])
+    return out
+
+
+# ----------------------------------------------------------------------------- images
+
 def render_image(spec):
     """Deterministic image bytes for a spec: a smooth random field with shapes and grain, so
-    that JPEG/PNG sizes look like photos/screenshots (tens of KB to ~1 MB)."""
+    that JPEG/PNG/WebP sizes look like photos/screenshots (KB to ~1 MB)."""
     from PIL import Image, ImageDraw, ImageFilter
 
     rng = random.Random(spec["seed"])
@@ -178,8 +381,15 @@ def render_image(spec):
     # Grain: a low-amplitude noise layer blended in (photos are not smooth).
     noise = Image.frombytes("L", (w, h), rng.randbytes(w * h)).filter(ImageFilter.BoxBlur(1))
     img = Image.blend(img, Image.merge("RGB", (noise, noise, noise)), 0.2)
-    img.save(out, "JPEG", quality=92)
+    if spec["fmt"] == "webp":
+        img.save(out, "WEBP", quality=80, method=2)
+    else:
+        img.save(out, "JPEG", quality=92)
     return out.getvalue()
+
+
+MIME = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
+EXT = {"jpeg": "jpg", "png": "png", "webp": "webp"}
 
 
 class ImagePool:
@@ -192,8 +402,7 @@ class ImagePool:
         self._urls = {}
 
     def path(self, spec):
-        ext = "jpg" if spec["fmt"] == "jpeg" else "png"
-        return self.dir / f"{spec['seed']}-{spec['w']}x{spec['h']}.{ext}"
+        return self.dir / f"{spec['seed']}-{spec['w']}x{spec['h']}.{EXT[spec['fmt']]}"
 
     def bytes(self, image_id):
         spec = self.specs[image_id]
@@ -208,8 +417,7 @@ class ImagePool:
         url = self._urls.get(image_id)
         if url is None:
             spec = self.specs[image_id]
-            mime = "image/jpeg" if spec["fmt"] == "jpeg" else "image/png"
-            url = f"data:{mime};base64," + base64.b64encode(self.bytes(image_id)).decode()
+            url = f"data:{MIME[spec['fmt']]};base64," + base64.b64encode(self.bytes(image_id)).decode()
             self._urls[image_id] = url
         return url
 
@@ -218,25 +426,48 @@ class ImagePool:
             self.data_url(i)
 
 
+# ----------------------------------------------------------------------------- bodies
+
+MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+def user_message(text, image_ids, pool):
+    content = [{"type": "image_url", "image_url": {"url": pool.data_url(i)}} for i in image_ids]
+    content.append({"type": "text", "text": text})
+    return {"role": "user", "content": content}
+
+
+def body(messages, max_tokens):
+    """The request body sent for a turn (streaming, usage in the last chunk)."""
+    return json.dumps({
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens,
+        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+    }).encode()
+
+
 def summary(header, turns, pool=None):
     """A few numbers describing a trace (and its images, when a pool is given)."""
     uses = [i for t in turns for i in t["images"]]
     first_turns = [t for t in turns if t["turn"] == 0]
     s = {
+        "family": header.get("family"),
         "requests": len(turns),
         "sessions": len(first_turns),
-        "arrival_span_s": round(max(t["at"] for t in first_turns), 1),
-        "distinct_images": len(header["images"]),
-        "image_slots_new": len(uses),
-        "image_slot_reuse": round(1 - len(header["images"]) / max(1, len(uses)), 3),
+        "distinct_images": len({*uses}),
+        "image_slots": len(uses),
+        "image_slot_reuse": round(1 - len({*uses}) / max(1, len(uses)), 3),
         "multi_turn_requests": sum(1 for t in turns if t["turn"] > 0),
+        "system_prompts": len({t["system"] for t in turns}),
     }
-    if pool is not None:
+    if header["arrival"]["mode"] == "open":
+        s["arrival_span_s"] = round(max(t["at"] for t in first_turns), 1)
+    if pool is not None and pool.specs:
         sizes = sorted(len(pool.bytes(i)) for i in pool.specs)
         s["image_kb_min_median_max"] = [round(sizes[0] / 1024), round(sizes[len(sizes) // 2] / 1024),
                                         round(sizes[-1] / 1024)]
     px = sorted(x["w"] * x["h"] for x in header["images"])
-    s["image_px_median"] = int(math.sqrt(px[len(px) // 2]))
+    if px:
+        s["image_px_median"] = int(math.sqrt(px[len(px) // 2]))
     return s
 
 
@@ -244,14 +475,13 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="write a seeded multimodal trace (JSONL)")
+    ap.add_argument("--family", default="sessions", choices=[*FAMILIES, "legacy"])
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--requests", type=int)
-    ap.add_argument("--rate", type=float)
-    ap.add_argument("--image-reuse", type=float)
+    ap.add_argument("--sessions", type=int)
     ap.add_argument("--out", required=True)
     ap.add_argument("--images-dir", help="also render the images here and print their sizes")
     a = ap.parse_args()
-    h, ts = generate(a.seed, requests=a.requests, rate=a.rate, image_reuse=a.image_reuse)
+    h, ts = family_trace(a.family, a.seed, sessions=a.sessions)
     save(a.out, h, ts)
     pool = ImagePool(h, a.images_dir) if a.images_dir else None
     print(json.dumps(summary(h, ts, pool)))

@@ -51,7 +51,7 @@ pub(crate) mod wire;
 pub mod workers;
 pub mod writer;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 

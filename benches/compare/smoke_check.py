@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Assertions of the harness smoke test (scripts/test-harness) on a run's output directory.
+
+    python3 benches/compare/smoke_check.py DIR [--min-requests N]
+
+Fails (exit 1, with the reasons) unless: report.md holds the table; every system of the run
+has a row per family and worker count; hit rates are numbers in [0, 1]; the bound (one
+worker, unbounded cache) and the sim reference are at least round robin's; sim does not beat
+the bound; the prebuilt requests match what the mock computed (answers and prompt tokens);
+the simulator reproduces the bound run's cached tokens; no run failed or had errors; mmrouter
+rows carry a prediction error.
+"""
+import json
+import sys
+from pathlib import Path
+
+
+def check(out, min_requests):
+    out = Path(out)
+    problems = []
+    md = (out / "report.md").read_text()
+    if "| family | workers | system | hit rate" not in md:
+        problems.append("report.md has no table")
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    results = json.loads((out / "results.json").read_text())
+    by = {(r["family"], r["workers"], r["system"]): r for r in rows}
+    systems = {r["system"] for r in results}
+    cells = {(r["family"], r["workers"]) for r in results}
+    for fam, w in sorted(cells):
+        for s in sorted(systems):
+            if (fam, w, s) not in by:
+                problems.append(f"no row for {fam} / {w} workers / {s}")
+    for r in rows:
+        h = r.get("hit_rate")
+        if not isinstance(h, (int, float)) or not 0.0 <= h <= 1.0:
+            problems.append(f"{r['family']}/{r['workers']}/{r['system']}: hit rate {h!r} not in [0, 1]")
+        if r["system"] != "sim" and r.get("errors"):
+            problems.append(f"{r['family']}/{r['workers']}/{r['system']}: {r['errors']} errors")
+        if r["system"] in ("mmrouter", "mmrouter-approx") and "prediction_mae_tokens" not in r:
+            problems.append(f"{r['family']}/{r['workers']}/mmrouter: no prediction error "
+                            "(x-mmrouter-overlap missing?)")
+    for fam, w in sorted(cells):
+        rr, bound, simr = (by.get((fam, w, s)) for s in ("envoy-rr", "bound", "sim"))
+        if rr and bound and bound["hit_rate"] < rr["hit_rate"]:
+            problems.append(f"{fam}/{w}: bound {bound['hit_rate']} below round robin {rr['hit_rate']}")
+        if rr and simr and simr["hit_rate"] < rr["hit_rate"]:
+            problems.append(f"{fam}/{w}: sim {simr['hit_rate']} below round robin {rr['hit_rate']}")
+        if bound and simr and simr["hit_rate"] > bound["hit_rate"] + 0.01:
+            problems.append(f"{fam}/{w}: sim {simr['hit_rate']} above the unbounded bound {bound['hit_rate']}")
+    for r in results:
+        if r["system"] == "sim":
+            continue
+        tag = f"{r['family']}/{r['workers']}/{r['system']}"
+        if r.get("ok", 0) < min_requests:
+            problems.append(f"{tag}: only {r.get('ok')} requests answered")
+        if r.get("answer_mismatch") or r.get("prompt_tokens_mismatch"):
+            problems.append(f"{tag}: {r.get('answer_mismatch')} answers and "
+                            f"{r.get('prompt_tokens_mismatch')} prompt token counts differ from trace-blocks")
+        c = r.get("sim_check")
+        if c and c["mismatched"] > 0.1 * c["requests"]:
+            problems.append(f"{tag}: simulated cached tokens differ on {c['mismatched']}/{c['requests']}")
+    return problems
+
+
+if __name__ == "__main__":
+    d = sys.argv[1]
+    n = int(sys.argv[sys.argv.index("--min-requests") + 1]) if "--min-requests" in sys.argv else 1
+    p = check(d, n)
+    if p:
+        print("harness smoke: FAILED\n  " + "\n  ".join(p))
+        sys.exit(1)
+    print("harness smoke: ok")
