@@ -12,6 +12,7 @@
 //!   "decision_log": "debug",
 //!   "stamp_uuid": false,
 //!   "state": {"capacity_blocks": 16384, "tick_ms": 20, "blocks": {...}, ...},
+//!   "fetch": {"enabled": true, "allow": ["*", "127.0.0.1:8765"], "timeout_ms": 2000, ...},
 //!   "metrics": {"poll_ms": 250, "path": "/metrics", "timeout_ms": 200,
 //!               "cluster": "mmrouter_endpoint", "unhealthy_after": 3},
 //!   "block_size": 16, "profiles": {...}, "scoring": {...},
@@ -27,6 +28,7 @@
 
 use crate::config::{ConfigError, RouterConfig, json_error};
 use crate::state::StateConfig;
+use super::fetch::FetchConfig;
 use serde::Deserialize;
 use std::net::SocketAddr;
 
@@ -165,10 +167,13 @@ pub struct FilterConfig {
     pub stamp_uuid: bool,
     pub state: StateConfig,
     pub metrics: MetricsConfig,
+    /// Fetching http(s) images (see `filter::fetch`; off unless `fetch.enabled`).
+    pub fetch: FetchConfig,
     pub router: RouterConfig,
 }
 
-const FILTER_KEYS: [&str; 11] = [
+const FILTER_KEYS: [&str; 12] = [
+    "fetch",
     "stamp_uuid",
     "retry_alternates",
     "metrics",
@@ -236,6 +241,10 @@ impl FilterConfig {
             Some(v) => field("metrics", v)?,
             None => MetricsConfig::default(),
         };
+        let fetch: FetchConfig = match take("fetch") {
+            Some(v) => field("fetch", v)?,
+            None => FetchConfig::default(),
+        };
         debug_assert!(FILTER_KEYS.iter().all(|k| !map.contains_key(*k)));
         let router: RouterConfig =
             serde_json::from_value(serde_json::Value::Object(map)).map_err(|e| json_error(&e))?;
@@ -251,6 +260,7 @@ impl FilterConfig {
             stamp_uuid,
             state,
             metrics,
+            fetch,
             router,
         };
         config.validate()?;
@@ -258,6 +268,9 @@ impl FilterConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.fetch.enabled {
+            self.fetch.guard()?;
+        }
         if self.workers.is_empty() && self.sidecar.is_none() {
             return Err(ConfigError::new(
                 "workers",
