@@ -183,7 +183,7 @@ fn fetch_get(config: &super::fetch::FetchConfig, target: &Target, timeout_ms: u6
         (":scheme", target.scheme.name()),
         ("accept", "image/*"),
     ];
-    if cluster == config.cluster {
+    if super::fetch::FetchConfig::by_address(target) {
         headers.push((config.address_header.as_str(), address.as_str()));
     }
     hostcalls::dispatch_http_call(

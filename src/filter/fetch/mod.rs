@@ -99,14 +99,23 @@ impl FetchConfig {
         Guard::new(&self.schemes, &self.allow)
     }
 
-    /// The cluster a target goes through: the ORIGINAL_DST one for an address, the DNS one
-    /// for a name.
+    /// The cluster a target goes through: `<cluster>` (ORIGINAL_DST, to the address in
+    /// `address_header`) for a target written as an IP address, `<cluster>_dns` (Envoy's
+    /// dynamic forward proxy) for a name; `_tls` appended for https.
     pub fn cluster_for(&self, target: &Target) -> String {
-        if target.host.parse::<std::net::IpAddr>().is_ok() {
-            self.cluster.clone()
-        } else {
-            format!("{}_dns", self.cluster)
+        let mut name = self.cluster.clone();
+        if target.host.parse::<std::net::IpAddr>().is_err() {
+            name.push_str("_dns");
         }
+        if target.scheme == guard::Scheme::Https {
+            name.push_str("_tls");
+        }
+        name
+    }
+
+    /// Whether a target goes to the ORIGINAL_DST cluster (and carries `address_header`).
+    pub fn by_address(target: &Target) -> bool {
+        target.host.parse::<std::net::IpAddr>().is_ok()
     }
 }
 
@@ -695,6 +704,10 @@ mod tests {
         assert_eq!(reasons, vec!["private_address", "scheme", "too_many"]);
         assert_eq!(p.to_send().len(), 3);
         assert_eq!(c.cluster_for(&p.to_send()[0].1), "mmrouter_fetch_dns");
+        let https = g.check("https://a.example.com/x.png").expect("allowed");
+        assert_eq!(c.cluster_for(&https), "mmrouter_fetch_dns_tls");
+        let https_ip = g.check("https://93.184.216.34/x.png").expect("allowed");
+        assert_eq!(c.cluster_for(&https_ip), "mmrouter_fetch_tls");
     }
 
     #[test]
