@@ -26,7 +26,8 @@ fn config(fetch: &str) -> VmConfig {
     .log_level(LogLevel::Info)
 }
 
-const FETCH: &str = r#"{"enabled":true,"allow":["*","127.0.0.1:8765"],"timeout_ms":500,"deadline_ms":800}"#;
+const FETCH: &str =
+    r#"{"enabled":true,"allow":["*","127.0.0.1:8765"],"timeout_ms":500,"deadline_ms":800}"#;
 
 fn host() -> Host {
     Host::new(&support::filter_module()).unwrap()
@@ -106,7 +107,10 @@ fn a_url_image_is_fetched_while_the_request_waits_and_matches_the_same_bytes_inl
     assert_eq!(s2.request_header(DEST), worker.as_deref());
     let overlap = s2.response_header("x-mmrouter-overlap").unwrap();
     let (m, t) = overlap.split_once('/').unwrap();
-    assert_eq!(m, t, "every block of the first request is matched: {overlap}");
+    assert_eq!(
+        m, t,
+        "every block of the first request is matched: {overlap}"
+    );
 
     // The same bytes at another URL: fetched (a new URL), the same identity.
     let s3 = send(&vm, &body("http://127.0.0.1:8765/b.png?sig=2"));
@@ -200,7 +204,11 @@ fn the_request_deadline_bounds_the_wait_even_when_the_fetch_timeout_is_longer() 
     vm.set_http_responder(|_| HttpCallOutcome::Pending).unwrap();
     let s = send(&vm, &body("http://127.0.0.1:8765/slow.png"));
     let call = vm.http_calls().pop().unwrap();
-    assert_eq!(call.timeout, Duration::from_millis(300), "capped by the deadline");
+    assert_eq!(
+        call.timeout,
+        Duration::from_millis(300),
+        "capped by the deadline"
+    );
     host.advance(Duration::from_millis(320)).unwrap();
     let s = vm.stream(s.id()).unwrap();
     assert!(s.forwarded_upstream());
@@ -244,10 +252,19 @@ fn failed_fetches_and_bad_answers_fall_back_and_are_counted() {
             "{url}"
         );
     }
-    assert_eq!(host.metric_value("mmrouter.fetch_failed.no_response"), Some(1));
+    assert_eq!(
+        host.metric_value("mmrouter.fetch_failed.no_response"),
+        Some(1)
+    );
     assert_eq!(host.metric_value("mmrouter.fetch_failed.status"), Some(2));
-    assert_eq!(host.metric_value("mmrouter.fetch_failed.not_image"), Some(1));
-    assert!(vm.http_calls().is_empty(), "a redirect is not followed by default");
+    assert_eq!(
+        host.metric_value("mmrouter.fetch_failed.not_image"),
+        Some(1)
+    );
+    assert!(
+        vm.http_calls().is_empty(),
+        "a redirect is not followed by default"
+    );
 }
 
 #[test]
@@ -274,13 +291,11 @@ fn refused_targets_are_never_fetched_and_are_counted_by_reason() {
 fn fetching_is_off_by_default_and_urls_keep_their_url_identity() {
     let host = host();
     let vm = host
-        .vm(
-            VmConfig::new(format!(
-                r#"{{"workers":[{{"name":"w0","address":"{}"}}],"metrics":{{"poll_ms":0}}}}"#,
-                ADDRS[0]
-            ))
-            .allow_on_headers_stop_iteration(true),
-        )
+        .vm(VmConfig::new(format!(
+            r#"{{"workers":[{{"name":"w0","address":"{}"}}],"metrics":{{"poll_ms":0}}}}"#,
+            ADDRS[0]
+        ))
+        .allow_on_headers_stop_iteration(true))
         .unwrap();
     let s = send(&vm, &body("http://127.0.0.1:8765/a.png"));
     assert!(s.forwarded_upstream());

@@ -26,9 +26,9 @@
 //! Where the workers come from: the `workers` list (static), or the sidecar's feed (`sidecar`
 //! set; the list may then be empty or omitted, and is used only until the first feed).
 
+use super::fetch::FetchConfig;
 use crate::config::{ConfigError, RouterConfig, json_error};
 use crate::state::StateConfig;
-use super::fetch::FetchConfig;
 use serde::Deserialize;
 use std::net::SocketAddr;
 
@@ -268,9 +268,8 @@ impl FilterConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.fetch.enabled {
-            self.fetch.guard()?;
-        }
+        // Checked even when off, so that turning it on never finds a bad entry late.
+        self.fetch.guard()?;
         if self.workers.is_empty() && self.sidecar.is_none() {
             return Err(ConfigError::new(
                 "workers",
@@ -408,6 +407,41 @@ mod tests {
             Ok(_) => "(accepted)".into(),
             Err(e) => e.field,
         }
+    }
+
+    #[test]
+    fn the_fetch_object_is_parsed_and_its_guard_checked_naming_the_field() {
+        let w = r#""workers":[{"name":"w0","address":"127.0.0.1:8001"}]"#;
+        let c = FilterConfig::from_json(
+            format!(r#"{{{w},"fetch":{{"enabled":true,"allow":["*","127.0.0.1:8765"],"deadline_ms":900}}}}"#)
+                .as_bytes(),
+        )
+        .expect("valid");
+        assert!(c.fetch.enabled);
+        assert_eq!(c.fetch.deadline_ms, 900);
+        assert_eq!(c.fetch.allow, vec!["*", "127.0.0.1:8765"]);
+        let off = FilterConfig::from_json(format!("{{{w}}}").as_bytes()).expect("valid");
+        assert!(!off.fetch.enabled, "off unless asked for");
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"allow":["a*b"]}}}}"#)),
+            "fetch.allow"
+        );
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"schemes":["ftp"]}}}}"#)),
+            "fetch.schemes"
+        );
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"timeout_ms":0}}}}"#)),
+            "fetch.timeout_ms"
+        );
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"cache":{{"buckets":0}}}}}}"#)),
+            "fetch.cache.buckets"
+        );
+        assert_ne!(
+            err_field(&format!(r#"{{{w},"fetch":{{"typo":1}}}}"#)),
+            "(accepted)"
+        );
     }
 
     #[test]

@@ -182,6 +182,8 @@ fn fetch_get(config: &super::fetch::FetchConfig, target: &Target, timeout_ms: u6
         (":authority", target.authority.as_str()),
         (":scheme", target.scheme.name()),
         ("accept", "image/*"),
+        // Names the fetcher to image servers (and lets tests tell it from the workers' GETs).
+        ("user-agent", "mmrouter-fetch"),
     ];
     if super::fetch::FetchConfig::by_address(target) {
         headers.push((config.address_header.as_str(), address.as_str()));
@@ -482,7 +484,14 @@ impl Context for FilterStream {
         let Ok(mut s) = shared.try_borrow_mut() else {
             return;
         };
-        on_fetch_reply(&mut s, self.context_id, token, num_headers, body_size, false);
+        on_fetch_reply(
+            &mut s,
+            self.context_id,
+            token,
+            num_headers,
+            body_size,
+            false,
+        );
         self.pick_up_decision(&mut s);
     }
 }
@@ -564,8 +573,7 @@ impl FilterStream {
         let now_ms = now_us / 1000;
         let mut plan = match &s.guard {
             Some(guard) if !urls.is_empty() => {
-                let refs: Vec<(usize, &str)> =
-                    urls.iter().map(|(i, u)| (*i, u.as_str())).collect();
+                let refs: Vec<(usize, &str)> = urls.iter().map(|(i, u)| (*i, u.as_str())).collect();
                 let claim = xxh3_64(
                     &[
                         s.holder.to_le_bytes(),
@@ -622,7 +630,6 @@ impl FilterStream {
         buf[4..].copy_from_slice(&now.to_le_bytes());
         xxh3_64(&buf)
     }
-
 }
 
 /// Sets the destination header for `decision` (on the current effective context), logs and
@@ -656,8 +663,7 @@ fn fetch_line(plan: &Plan) -> String {
     if fetched + cached + failed == 0 {
         return String::new();
     }
-    let mut line =
-        format!("; images by URL: {fetched} fetched, {cached} cached, {failed} failed");
+    let mut line = format!("; images by URL: {fetched} fetched, {cached} cached, {failed} failed");
     let reasons: Vec<&str> = plan.failures().iter().map(|f| f.reason()).collect();
     if !reasons.is_empty() {
         line.push_str(&format!(" ({})", reasons.join(", ")));
@@ -687,9 +693,7 @@ fn complete(s: &mut Shared, w: Waiting, ctx: Option<u32>) -> Option<Decision> {
         Overrides::default(),
         &plan.fetched(),
     );
-    let (decision, analysis) = s
-        .router
-        .route_analyzed(result, &s.store, now_us(), random);
+    let (decision, analysis) = s.router.route_analyzed(result, &s.store, now_us(), random);
     if let Some(a) = &analysis {
         s.metrics.skipped(a.skipped_count);
         if s.router.config.stamp_uuid && decision.is_some() {

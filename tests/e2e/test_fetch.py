@@ -37,8 +37,8 @@ def reencoded(width, height, seed):
 
 
 class ImageServer:
-    """Serves fixed bytes by path, counts GETs per path (query included): the router's (they
-    carry the fetch cluster's address header) apart from the workers' (vLLM fetches too);
+    """Serves fixed bytes by path, counts GETs per path (query included): the router's (user-agent
+    `mmrouter-fetch`) apart from the workers' (vLLM fetches too);
     `/hang*` answers after HANG_S, longer than the router's deadline (and shorter than the
     mock worker's own 5 s fetch timeout, so that the request itself can succeed)."""
 
@@ -56,7 +56,7 @@ class ImageServer:
             def do_GET(self):
                 with server.lock:
                     server.hits[self.path] = server.hits.get(self.path, 0) + 1
-                    if self.headers.get("x-mmrouter-fetch-address"):
+                    if self.headers.get("user-agent") == "mmrouter-fetch":
                         server.router_hits[self.path] = server.router_hits.get(self.path, 0) + 1
                 if self.path.startswith("/hang"):
                     time.sleep(HANG_S)
@@ -123,7 +123,7 @@ def images():
 @pytest.fixture(scope="module")
 def stack(images):
     s = Stack(workers=3, plugin_config={"fetch": {
-        "enabled": True, "allow": ["*", f"127.0.0.1:{images.port}"],
+        "enabled": True, "allow": ["*", f"127.0.0.1:{images.port}", f"localhost:{images.port}"],
         "timeout_ms": 1500, "deadline_ms": 1500}})
     yield s
     s.close()
@@ -189,9 +189,17 @@ def test_a_hanging_image_server_costs_at_most_the_deadline_and_fails_no_request(
     assert "mmrouter_fetch_failed" in stack.stats()
 
 
+def test_a_host_name_is_fetched_through_the_dynamic_forward_proxy_cluster(stack, images):
+    s, h, b = stack.post(chat_url(f"http://localhost:{images.port}/a.png?via=name"))
+    assert s == 200, b
+    assert images.count("/a.png?via=name") == 1
+    m, t = overlap(h)
+    assert m == t, "the same bytes as /a.png, fetched by name, match"
+
+
 def test_refused_targets_are_not_fetched(stack, images):
     port = images.port
-    for url in (f"http://127.0.0.2:{port}/a.png", f"http://localhost:{port}/a.png",
+    for url in (f"http://127.0.0.2:{port}/a.png", f"http://metadata.internal:{port}/a.png",
                 f"http://127.0.0.1:{port + 1 if port < 65535 else port - 1}/a.png"):
         before = sum(images.router_hits.values())
         stack.post(chat_url(url))

@@ -14,14 +14,11 @@
 //!   and any single-label name, which a resolver completes with its search domains) is refused
 //!   unless an exact entry names it.
 //!
-//! **Resolved addresses.** The filter cannot resolve names. A URL allowed through a wildcard
-//! entry (`*.suffix` or `*`) goes to the fetch cluster (`fetch.cluster`), whose DNS cache
-//! drops every special-use address from its answers (Envoy's `DnsCacheConfig.
-//! resolved_address_filter`, rendered by `envoy/render.py` from the same ranges), so a public
-//! name that resolves to a private address is never connected to. A URL allowed by an exact
-//! entry is an explicit allowance: it goes to the trusted cluster (`<cluster>_trusted`), whose
-//! DNS cache does not filter (an exact name may resolve to a private address on purpose).
-//! What is left open is documented in `docs/URL_IMAGES.md`.
+//! **Resolved addresses.** The filter cannot resolve names. A URL naming a host goes to the
+//! dynamic forward proxy cluster (`<fetch.cluster>_dns`), which resolves it; a public name that
+//! resolves to a private address is not refused by the filter. `docs/URL_IMAGES.md` says what
+//! a deployment does about it. [`Target::trusted`] records whether an exact entry allowed the
+//! URL (for such a deployment's cluster split; the filter does not use it yet).
 
 use crate::config::ConfigError;
 use std::net::IpAddr;

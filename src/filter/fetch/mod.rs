@@ -682,7 +682,11 @@ mod tests {
         assert_eq!(p.counts(), (1, 0, 0));
         q.poll(&c, &g, &s, &k, 1020, &|_| Some(url.to_string()));
         assert_eq!(q.fetched(), vec![(0, image(42))]);
-        assert_eq!(q.counts(), (0, 1, 0), "served from the cache, no second fetch");
+        assert_eq!(
+            q.counts(),
+            (0, 1, 0),
+            "served from the cache, no second fetch"
+        );
         // Within the TTL a third request needs no fetch at all.
         let r = Plan::new(&[(0, url)], &c, &g, &s, &k, 3, 2000);
         assert!(r.settled() && r.to_send().is_empty());
@@ -746,7 +750,15 @@ mod tests {
         let q = Plan::new(&[(0, url)], &c, &g, &s, &k, 2, c.deadline_ms + 1);
         assert_eq!(q.to_send().len(), 1);
         // A late answer to the expired plan changes nothing.
-        p.on_reply(1, Reply::Image(Ok(image(1))), &c, &g, &s, &k, c.deadline_ms + 2);
+        p.on_reply(
+            1,
+            Reply::Image(Ok(image(1))),
+            &c,
+            &g,
+            &s,
+            &k,
+            c.deadline_ms + 2,
+        );
         assert_eq!(p.fetched(), vec![]);
     }
 
