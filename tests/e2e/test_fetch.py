@@ -230,7 +230,11 @@ def test_done_when_with_the_scripts_run_stack():
             p, cached = usage(b)
             assert p == p1, (p, p1)
             assert cached >= 0.9 * p1, (cached, p1)
-        assert server.count("/a.jpg") >= 1 and server.count("/b.jpg?sig=2") >= 1
+        assert server.count("/a.jpg") == 1 and server.count("/b.jpg?sig=2") == 1
+        # The content id was stamped as vLLM's uuid into all three (precise mode), also after
+        # a fetch, when the request is resumed from the fetch's answer.
+        stamped = re.search(r"^mmrouter_uuids_stamped\S* (\d+)", stack.stats(), re.M)
+        assert stamped and int(stamped.group(1)) >= 3, stamped
     finally:
         stack.close()
         server.close()
