@@ -31,9 +31,9 @@ allow_on_headers_stop_iteration and the override_host load-balancing policy; tes
   `x-mmrouter-fetch-address`, set only by the filter's own calls) when the URL names an IP
   address, through `mmrouter_fetch_dns` (Envoy's dynamic forward proxy, its own DNS cache) when
   it names a host; `_tls` variants for https (SNI and certificate checked against the host).
-  Redirects are never followed by Envoy (the filter decides, `fetch.max_redirects`); a response
-  body over 32 MiB is cut by the cluster's buffer limit. `--fetch-allow` adds host patterns to
-  `fetch.allow` (and turns fetching on);
+  Redirects are never followed by Envoy (the filter decides, `fetch.max_redirects`). Envoy
+  buffers a call's whole response: `fetch.max_bytes` bounds what the filter reads, not what
+  Envoy receives. `--fetch-allow` adds host patterns to `fetch.allow` (and turns fetching on);
 - timeouts fit long generations: no route timeout, a 300 s stream idle timeout;
 - stats_tags turn the filter's metric names into Prometheus labels (worker, reason);
 - admin on 127.0.0.1:ADMIN_PORT.
