@@ -135,8 +135,6 @@ pub enum Failure {
     NotImage,
     /// The request's deadline came first.
     Deadline,
-    /// The shared cache could not be written (the fetch went on without a claim).
-    Cache,
 }
 
 impl Failure {
@@ -148,19 +146,8 @@ impl Failure {
             Failure::TooLarge => "too_large",
             Failure::NotImage => "not_image",
             Failure::Deadline => "deadline",
-            Failure::Cache => "cache",
         }
     }
-
-    /// Failures of a fetch (not refusals), for the metric names.
-    pub const FETCH: [Failure; 6] = [
-        Failure::NoResponse,
-        Failure::Status,
-        Failure::TooLarge,
-        Failure::NotImage,
-        Failure::Deadline,
-        Failure::Cache,
-    ];
 
     /// Code kept in the shared cache for a failed URL.
     fn code(self) -> u8 {
