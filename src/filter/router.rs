@@ -256,10 +256,29 @@ impl Router {
         if matched < keys.len() {
             self.record_last_key(store, &live, slot, keys, new_blocks);
         }
+        // A request the worker holds in full, whose deepest (oldest) stamp is still fresh
+        // (within 1/16 of the worker's capacity), adds nothing the buckets do not say: its
+        // keys stay out of the record. Only full matches are skipped, so every key of a
+        // chain is restamped whenever the chain grows and stamps stay monotone along it.
+        let first = match (
+            prefix.deepest_stamps.get(slot).copied().flatten(),
+            live.get(slot),
+        ) {
+            (Some(stamp), Some(l)) if matched == keys.len() && l.age(stamp) <= 1.0 / 16.0 => {
+                matched
+            }
+            _ => 0,
+        };
         let enqueued = store
             .enqueue(
                 &self.keys.decisions(),
-                &decisions::encode(slot as u16, now_ms, new_blocks, keys),
+                &decisions::encode(
+                    slot as u16,
+                    now_ms,
+                    new_blocks,
+                    first as u32,
+                    keys.get(first..).unwrap_or(&[]),
+                ),
             )
             .is_ok();
         let passed_over = choice.passed_over(&candidates).and_then(|i| {
@@ -579,6 +598,41 @@ mod tests {
         let second = route(&mut r, &store, &b, 1001, 9);
         assert_eq!(second.target, first.target);
         assert_eq!(second.matched_blocks, second.total_blocks);
+    }
+
+    /// The keys of every decision record waiting on the queue, as (first, key count).
+    fn queued_records(store: &MemoryStore, r: &Router) -> Vec<(u32, usize)> {
+        let mut out = Vec::new();
+        while let Ok(Some(bytes)) = store.dequeue(&r.keys().decisions()) {
+            let rec = decisions::DecisionRecord::decode(&bytes).expect("a record");
+            out.push((rec.first, rec.keys.len()));
+        }
+        out
+    }
+
+    #[test]
+    fn a_fresh_repeat_costs_the_writer_no_keys_and_a_grown_conversation_restamps_its_chain() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 2);
+        let b = body(&png(500, 400), "same again");
+        let first = route(&mut r, &store, &b, 1000, 3);
+        r.finished(&store, &first, 1_000_500, true);
+        assert_eq!(queued_records(&store, &r), vec![(0, first.total_blocks)]);
+        // Before the writer applies it, the repeat matches through the last-key hint, whose
+        // fresh stamp already stands for the whole chain.
+        let again = route(&mut r, &store, &b, 1001, 9);
+        r.finished(&store, &again, 1_001_500, true);
+        let n = again.total_blocks as u32;
+        assert_eq!(queued_records(&store, &r), vec![(n, 0)]);
+        apply(&store, &r, 1002);
+        let third = route(&mut r, &store, &b, 1003, 5);
+        assert_eq!(third.matched_blocks, third.total_blocks);
+        assert_eq!(queued_records(&store, &r), vec![(n, 0)]);
+        // A longer prompt over the same prefix is recorded from its first key.
+        let longer = body(&png(500, 400), &"and more words ".repeat(80));
+        let grown = route(&mut r, &store, &longer, 1004, 5);
+        assert!(grown.total_blocks > third.total_blocks);
+        assert_eq!(queued_records(&store, &r), vec![(0, grown.total_blocks)]);
     }
 
     #[test]

@@ -4,7 +4,12 @@
 //! ([`super::writer`]).
 //!
 //! Record layout, little-endian:
-//! `u8 version (1) | u16 slot | u64 time_ms | u32 new_blocks | u32 keys | keys × u64`.
+//! `u8 version (2) | u16 slot | u64 time_ms | u32 new_blocks | u32 first | u32 keys | keys × u64`.
+//!
+//! A record carries the request's keys from index `first` on: the deciding VM leaves out a
+//! request its worker holds in full with fresh stamps (rewriting them would change nothing), so
+//! a repeated prompt costs the writer no bucket access. Key `first + j` is stamped as the
+//! request's `(first + j)`-th block.
 
 use super::wire::Reader;
 
@@ -16,16 +21,24 @@ pub struct DecisionRecord {
     /// Blocks the worker has to allocate for the request (its uncached blocks plus the
     /// expected output): what moves the worker's allocation clock in approximate mode.
     pub new_blocks: u32,
-    /// The request's block keys, in prefix order.
+    /// Index in the request of the first key below.
+    pub first: u32,
+    /// The request's block keys from `first` on, in prefix order.
     pub keys: Vec<u64>,
 }
 
-const VERSION: u8 = 1;
-const HEADER: usize = 1 + 2 + 8 + 4 + 4;
+const VERSION: u8 = 2;
+const HEADER: usize = 1 + 2 + 8 + 4 + 4 + 4;
 
 impl DecisionRecord {
     pub fn encode(&self) -> Vec<u8> {
-        encode(self.slot, self.time_ms, self.new_blocks, &self.keys)
+        encode(
+            self.slot,
+            self.time_ms,
+            self.new_blocks,
+            self.first,
+            &self.keys,
+        )
     }
 
     /// Decodes a record; None when it is malformed.
@@ -37,6 +50,7 @@ impl DecisionRecord {
         let slot = r.u16()?;
         let time_ms = r.u64()?;
         let new_blocks = r.u32()?;
+        let first = r.u32()?;
         let n = r.u32()? as usize;
         if r.remaining() != n.checked_mul(8)? {
             return None;
@@ -49,18 +63,21 @@ impl DecisionRecord {
             slot,
             time_ms,
             new_blocks,
+            first,
             keys,
         })
     }
 }
 
-/// Encodes a record without building a [`DecisionRecord`] (the request path's one copy).
-pub fn encode(slot: u16, time_ms: u64, new_blocks: u32, keys: &[u64]) -> Vec<u8> {
+/// Encodes a record without building a [`DecisionRecord`] (the request path's one copy):
+/// `keys` are the request's keys from index `first` on.
+pub fn encode(slot: u16, time_ms: u64, new_blocks: u32, first: u32, keys: &[u64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + keys.len() * 8);
     out.push(VERSION);
     out.extend_from_slice(&slot.to_le_bytes());
     out.extend_from_slice(&time_ms.to_le_bytes());
     out.extend_from_slice(&new_blocks.to_le_bytes());
+    out.extend_from_slice(&first.to_le_bytes());
     out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
     for k in keys {
         out.extend_from_slice(&k.to_le_bytes());
@@ -78,6 +95,7 @@ mod tests {
             slot: 3,
             time_ms: 123_456,
             new_blocks: 40,
+            first: 3,
             keys: vec![1, u64::MAX, 7],
         };
         let bytes = r.encode();

@@ -30,6 +30,9 @@ use super::workers::Live;
 pub struct PrefixMatch {
     /// Leading keys held, per slot.
     pub depths: Vec<usize>,
+    /// Per slot, the stamp of the deepest key it was seen holding (the oldest stamp of its
+    /// match: a request's stamps only get older along its chain).
+    pub deepest_stamps: Vec<Option<u32>>,
     /// Bucket reads made.
     pub probes: usize,
 }
@@ -65,8 +68,10 @@ pub fn match_prefix(
     let mut hi = vec![n; slots];
     let mut result = PrefixMatch {
         depths: vec![0; slots],
+        deepest_stamps: vec![None; slots],
         probes: 0,
     };
+    let mut deepest: Vec<(usize, Option<u32>)> = vec![(0, None); slots];
     if n == 0 || slots == 0 {
         return result;
     }
@@ -88,6 +93,11 @@ pub fn match_prefix(
                 && let Some(p) = present.get_mut(s)
             {
                 *p = true;
+                if let Some(d) = deepest.get_mut(s)
+                    && (d.1.is_none() || i + 1 > d.0)
+                {
+                    *d = (i + 1, Some(h.stamp));
+                }
             }
         }
         for ((l, h), &held) in lo.iter_mut().zip(hi.iter_mut()).zip(present.iter()) {
@@ -121,6 +131,7 @@ pub fn match_prefix(
         probe(mid, &mut lo, &mut hi, &mut result.probes);
     }
     result.depths = lo;
+    result.deepest_stamps = deepest.into_iter().map(|(_, stamp)| stamp).collect();
     result
 }
 
@@ -217,6 +228,24 @@ mod tests {
                 assert!(m.depth(s) <= d, "budget {budget}: slot {s}");
             }
         }
+    }
+
+    #[test]
+    fn the_deepest_stamp_seen_is_reported_per_slot() {
+        let config = BlocksConfig::default();
+        let keys: Vec<u64> = (1..=8).collect();
+        let l = live(2);
+        let mut b: HashMap<u32, Bucket> = HashMap::new();
+        for (i, &k) in keys.iter().enumerate() {
+            // Slot 0 holds all with stamps 100 - i (head freshest), slot 1 nothing.
+            b.entry(config.bucket_of(k))
+                .or_default()
+                .touch(k, 0, 100 - i as u32, &l, &config);
+        }
+        let enc: HashMap<u32, Vec<u8>> = b.into_iter().map(|(k, v)| (k, v.encode())).collect();
+        let m = match_prefix(&keys, &l, &config, 20, &mut |i| enc.get(&i).cloned());
+        assert_eq!(m.depths, vec![8, 0]);
+        assert_eq!(m.deepest_stamps, vec![Some(93), None]);
     }
 
     #[test]

@@ -230,11 +230,12 @@ pub fn drain(
                 footprint_half_life_ms,
             );
             let stamp = l.stamp();
-            for (i, &k) in r.keys.iter().enumerate() {
+            for (j, &k) in r.keys.iter().enumerate() {
+                let i = r.first.wrapping_add(j as u32);
                 touches
                     .entry(config.blocks.bucket_of(k))
                     .or_default()
-                    .push((k, r.slot, stamp.wrapping_sub(i as u32)));
+                    .push((k, r.slot, stamp.wrapping_sub(i)));
             }
             stats.applied += 1;
         }
@@ -463,7 +464,7 @@ mod tests {
         store
             .enqueue(
                 &keys.decisions(),
-                &decisions::encode(slot, 0, new_blocks, chain),
+                &decisions::encode(slot, 0, new_blocks, 0, chain),
             )
             .expect("enqueue");
     }

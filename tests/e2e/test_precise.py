@@ -48,21 +48,28 @@ def test_a_worker_whose_engine_evicted_an_image_stops_attracting_requests_for_it
         for seed in range(40, 46):
             direct(address, chat(png(448, 448, seed=seed)))
 
-        def images_on_home():
-            for w in stack.state()["workers"]:
-                if w["name"] == home:
-                    return w["images"]
-            return None
+        def home_state():
+            return next(w for w in stack.state()["workers"] if w["name"] == home)
 
-        # The sidecar saw the evictions; within a feed poll the filter knows too.
-        deadline = time.time() + 5
+        # Wait until the sidecar has taken in every event of that traffic (its event counts
+        # stop moving) and has seen removals, then give the filter a few feed polls. Posting
+        # the image before that would send it home, recompute it there and make the old
+        # prediction true again.
+        deadline, last, since = time.time() + 10, None, time.time()
         while time.time() < deadline:
-            status, h3, b3 = stack.post(body)
-            m3, total3 = overlap(h3)
-            if m3 < total3 // 2:
+            e = home_state()["events"]
+            now = (e["batches"], e["stored_total"], e["removed_total"])
+            if now != last:
+                last, since = now, time.time()
+            elif e["removed_total"] > 0 and time.time() - since > 0.3:
                 break
-            time.sleep(0.2)
-        assert m3 < total3 // 2, f"still predicted {m3}/{total3} on {home} (sidecar: {images_on_home()} images)"
+            time.sleep(0.05)
+        assert last and last[2] > 0, f"the sidecar saw no eviction on {home}: {home_state()}"
+        time.sleep(0.6)  # feed poll_ms is 100
+
+        status, h3, b3 = stack.post(body)
+        m3, total3 = overlap(h3)
+        assert m3 < total3 // 2, f"still predicted {m3}/{total3} on {home} (sidecar: {home_state()['images']} images)"
         # The prediction agrees with what the worker that served it had cached.
         assert cached(b3) <= (m3 + 1) * 16
         assert "mode=precise" in h3["x-mmrouter-decision"]
