@@ -28,8 +28,22 @@ MODES = ["approximate", "precise"]
 
 @pytest.fixture(scope="module")
 def bodies():
-    """Chat requests with one 448x448 PNG each (17 KV blocks), all different."""
-    return [json.dumps(chat(png(448, 448, seed=100 + i))).encode() for i in range(IMAGES)]
+    """Chat requests with one 448x448 PNG each (17 KV blocks), all different: the first IMAGES
+    are the stream's, the next IMAGES are new content a test may add later."""
+    return [json.dumps(chat(png(448, 448, seed=100 + i))).encode() for i in range(2 * IMAGES)]
+
+
+class Pool:
+    """The bodies a Stream picks from: the first `n` (grown by a test with widen())."""
+
+    def __init__(self, n=IMAGES):
+        self.n = n
+
+    def widen(self):
+        self.n = 2 * IMAGES
+
+    def __call__(self, rng, _):
+        return rng.randrange(self.n)
 
 
 @pytest.fixture
@@ -89,10 +103,12 @@ def old_cache_predictions(answers, victim, since):
 def test_a_crashed_worker_loses_no_request_and_comes_back_on_its_port_with_an_empty_cache(
         mode, bodies, report):
     stack = make_stack(mode)
+    pool = Pool()
     try:
-        with Stream(stack.url, bodies, clients=3) as stream:
-            time.sleep(2.0)
+        with Stream(stack.url, bodies, clients=3, pick=pool) as stream:
+            time.sleep(1.5)
             victim = busiest(stream.answers)
+            killing = time.monotonic()
             kill_worker(stack, victim)
             crashed = time.monotonic()
             # Down for 2 s: past the filter's 3 failed polls (approximate) and the sidecar's 2
@@ -100,6 +116,9 @@ def test_a_crashed_worker_loses_no_request_and_comes_back_on_its_port_with_an_em
             time.sleep(2.0)
             restart_worker(stack, victim, WORKER_ARGS)
             up = time.monotonic()
+            # New images from now on too: every body of the first pool is cached on the
+            # survivors, so cache affinity alone would keep the empty worker idle.
+            pool.widen()
             takes_traffic = stream.wait_for(
                 first(lambda a: a.worker == victim), up, 15, f"{victim} serving again")
             hits_again = stream.wait_for(
@@ -110,8 +129,10 @@ def test_a_crashed_worker_loses_no_request_and_comes_back_on_its_port_with_an_em
         answers = stream.answers
         down = [a for a in answers if crashed <= a.start < up]
         stale = old_cache_predictions(answers, victim, up)
+        in_flight = [a for a in answers if a.start < killing < a.end and a.routed == victim]
         report(requests=len(answers), failed=len(stream.failed()),
                retried=sum(1 for a in answers if a.routed and a.routed != a.worker),
+               in_flight_at_crash=len(in_flight),
                routed_to_dead=sum(1 for a in down if a.routed == victim),
                old_cache_predictions=len(stale),
                takes_traffic_s=secs(takes_traffic), predicted_hits_again_s=secs(hits_again))
@@ -123,6 +144,8 @@ def test_a_crashed_worker_loses_no_request_and_comes_back_on_its_port_with_an_em
                 f"+{a.start - up:.2f}s" for a in stale))
         # Routing stopped choosing the dead worker once it was found unhealthy.
         assert not [a for a in down if a.routed == victim and a.start > crashed + 1.8]
+        # Recovery: the restarted worker is chosen again and its new cache attracts repeats.
+        assert takes_traffic < 10 and hits_again < 12
     finally:
         stack.close()
 
@@ -134,13 +157,13 @@ def test_a_hanging_metrics_endpoint_loses_no_request_the_worker_is_skipped_until
     # /metrics times out repeatedly is unhealthy and routing skips it until a poll succeeds.
     stack = make_stack(mode, cls_wrap=proxied)
     try:
-        with Stream(stack.url, bodies, clients=3) as stream:
-            time.sleep(2.0)
+        with Stream(stack.url, bodies[:IMAGES], clients=3) as stream:
+            time.sleep(1.5)
             victim = busiest(stream.answers)
             proxy = stack.proxies[victim]
             proxy.hang.set()
             hung = time.monotonic()
-            time.sleep(5.0)
+            time.sleep(3.5)
             proxy.hang.clear()
             back = time.monotonic()
             serving_again = stream.wait_for(
@@ -168,13 +191,13 @@ def test_killing_the_sidecar_loses_no_request_routing_goes_approximate_then_prec
         bodies, report):
     stack = make_stack("precise")
     try:
-        with Stream(stack.url, bodies, clients=3) as stream:
-            time.sleep(2.0)
+        with Stream(stack.url, bodies[:IMAGES], clients=3) as stream:
+            time.sleep(1.5)
             stack.kill_sidecar()
             killed = time.monotonic()
             approximate = stream.wait_for(first(lambda a: a.mode == "approximate"), killed, 5,
                                           "approximate mode after the sidecar died")
-            time.sleep(2.0)
+            time.sleep(1.5)
             stack.start_sidecar()
             restarted = time.monotonic()
             precise = stream.wait_for(first(lambda a: a.mode == "precise"), restarted, 10,
@@ -203,15 +226,15 @@ def test_envoy_hot_restart_answers_every_request_and_routing_state_is_rebuilt(
     try:
         base_id = int(stack.base_id_path.read_text().strip())
         old = stack.procs[-1]
-        with Stream(stack.url, bodies, clients=3) as stream:
-            time.sleep(2.0)
+        with Stream(stack.url, bodies[:IMAGES], clients=3) as stream:
+            time.sleep(1.5)
             restarted = time.monotonic()
             new = hot_restart(stack, stack.envoy_config, base_id,
                               stack.envoy_log.with_name("envoy-epoch1.log"),
                               parent_shutdown_s=3, drain_s=2)
             old.wait(timeout=20)
             parent_gone = time.monotonic() - restarted
-            time.sleep(2.0)
+            time.sleep(1.5)
         assert new.poll() is None, "the new Envoy exited"
         answers = stream.answers
         after = sorted((a for a in answers if a.start >= restarted), key=lambda a: a.start)
