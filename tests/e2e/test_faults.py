@@ -1,8 +1,10 @@
 """Faults under a steady request stream (issue 14, item 5): a worker crashed and restarted on
 the same port, a worker's /metrics hanging, the sidecar killed and restarted, Envoy hot
-restarted. Each case asserts that no request failed that a healthy worker could have served,
-and measures how long routing takes to be back to normal; the numbers are printed (and kept in
-$CARGO_TARGET_DIR/faults/results.jsonl). Loopback only; each case takes about 10 s.
+restarted. Each case asserts that no request failed that a healthy worker could have served
+(requests in flight on a crashed worker included: Envoy retries a reset to the next-best
+worker), and measures how long routing takes to be back to normal; the numbers are printed
+(and appended to $CARGO_TARGET_DIR/faults/results.jsonl) and collected in docs/FAULTS.md, with
+only generous functional bounds asserted. Loopback only; each case takes 6-20 s.
 
 The mock workers run at --time-scale 1 here (a request takes ~0.1 s: encoder, prefill, 8
 decoded tokens), so a crash catches requests in flight.
@@ -71,6 +73,11 @@ def busiest(answers):
     """The worker that served the most requests (it holds cached images and has requests in
     flight)."""
     return Counter(a.worker for a in answers if a.ok).most_common(1)[0][0]
+
+
+def hit_rate(answers):
+    """The share of answers the engine served with cached tokens."""
+    return round(sum(a.cached > 0 for a in answers) / max(1, len(answers)), 3)
 
 
 def secs(x):
@@ -197,24 +204,26 @@ def test_killing_the_sidecar_loses_no_request_routing_goes_approximate_then_prec
             killed = time.monotonic()
             approximate = stream.wait_for(first(lambda a: a.mode == "approximate"), killed, 5,
                                           "approximate mode after the sidecar died")
-            time.sleep(1.5)
+            time.sleep(2.0)
             stack.start_sidecar()
             restarted = time.monotonic()
             precise = stream.wait_for(first(lambda a: a.mode == "precise"), restarted, 10,
                                       "precise mode after the sidecar came back")
-            time.sleep(1.0)
+            time.sleep(1.5)
         answers = stream.answers
-        outage = [a for a in answers if killed + approximate <= a.start < restarted]
-        after = [a for a in answers if a.start >= restarted + precise]
+        # A VM reads the mode from the shared table on its own schedule: allow 0.5 s after
+        # the first approximate answer for every VM to have seen it.
+        outage = [a for a in answers if killed + approximate + 0.5 <= a.start < restarted]
+        after = [a for a in answers if a.start >= restarted + precise + 0.5]
         report(requests=len(answers), failed=len(stream.failed()),
                approximate_after_s=secs(approximate), precise_again_s=secs(precise),
-               hit_rate_during_outage=round(sum(a.cached > 0 for a in outage) / len(outage), 3),
-               hit_rate_after=round(sum(a.cached > 0 for a in after) / len(after), 3))
+               hit_rate_during_outage=hit_rate(outage), hit_rate_after=hit_rate(after))
         assert_none_failed(stream)
+        assert outage and after, "no requests in a window"
         assert {a.mode for a in outage} == {"approximate"}
         assert {a.mode for a in after} == {"precise"}
         # Without the feed the router still routes on what it decided: the images stay hits.
-        assert sum(a.cached > 0 for a in outage) / len(outage) > 0.8
+        assert hit_rate(outage) > 0.8
     finally:
         stack.close()
 
@@ -234,7 +243,9 @@ def test_envoy_hot_restart_answers_every_request_and_routing_state_is_rebuilt(
                               parent_shutdown_s=3, drain_s=2)
             old.wait(timeout=20)
             parent_gone = time.monotonic() - restarted
-            time.sleep(1.5)
+            # Then at least 12 more answers (at most 10 s): the tail the checks below read.
+            stream.wait_for(lambda got: got[11] if len(got) >= 12 else None,
+                            restarted + parent_gone, 10, "answers after the parent's exit")
         assert new.poll() is None, "the new Envoy exited"
         answers = stream.answers
         after = sorted((a for a in answers if a.start >= restarted), key=lambda a: a.start)
@@ -250,8 +261,12 @@ def test_envoy_hot_restart_answers_every_request_and_routing_state_is_rebuilt(
                hit_rate_after_restart=round(sum(a.cached > 0 for a in after) / len(after), 3),
                rebuilt_s=secs(rebuilt))
         assert_none_failed(stream)
-        assert len(forgotten) <= 3 * IMAGES, "routing did not rebuild its state"
-        assert tail and all(a.matched > 0 and a.cached > 0 for a in tail[-20:]), \
+        # Routing predicts again once the new Envoy has seen each body (approximate) or read
+        # the sidecar's feed (precise); in these runs that came with the parent's exit (see
+        # docs/FAULTS.md). Generous bound: within 5 s of it, and every later answer a hit.
+        assert rebuilt <= parent_gone + 5, \
+            f"routing predicted nothing for {rebuilt:.1f} s, parent gone at {parent_gone:.1f} s"
+        assert len(tail) >= 3 and all(a.matched > 0 and a.cached > 0 for a in tail), \
             "cache-affine routing not back after the hot restart"
         if mode == "precise":
             assert tail[-1].mode == "precise"
