@@ -295,8 +295,8 @@ def test_envoy_hot_restart_answers_every_request_and_routing_state_is_rebuilt(
         assert hits > 0.5, f"only {hits:.0%} cache hits after the hot restart"
         if mode == "approximate":
             # Open (docs/FAULTS.md): the new Envoy keeps routing some already-seen bodies
-            # without a prediction (22-37 of ~100 in these runs, ~3 per body), sometimes to the
-            # end of the test, while the engines still hit (82-91%). Only the hit rate is
+            # without a prediction (18-42 of ~100 in these runs, ~3 per body), sometimes to the
+            # end of the test, while the engines still hit (82-93%). Only the hit rate is
             # asserted.
             return
         # Precise: the sidecar's feed tells the new Envoy at once; every body is unpredicted
