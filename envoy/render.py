@@ -70,10 +70,13 @@ WASM_FILTER = """          - name: envoy.filters.http.wasm
 """
 
 
-# Retries go to the next address the filter listed (override_host), on failures that mean the
-# request never reached a working engine. Not on 5xx: an engine that answered has done work.
+# Retries go to the next address the filter listed (override_host), on failures that mean no
+# working engine answered: connect failure, refused stream, and a reset before any response
+# (`reset`: an engine that crashed with the request in flight; Envoy retries only while no
+# response header has gone downstream, so a stream already answering is never replayed). Not
+# on 5xx: an engine that answered has done work.
 RETRY_POLICY = """                  retry_policy:
-                    retry_on: connect-failure,refused-stream,reset-before-request
+                    retry_on: connect-failure,refused-stream,reset
                     num_retries: 2
                     per_try_timeout: 0s"""
 
