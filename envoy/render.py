@@ -26,6 +26,14 @@ allow_on_headers_stop_iteration and the override_host load-balancing policy; tes
 - with `--sidecar HOST:PORT` the filter follows mmrouter-sidecar's feed (membership, engine
   metrics, KV events), and with `--eds-file PATH` the workers cluster takes its members from the
   EDS file the sidecar writes, so workers join and leave without an Envoy restart;
+- image fetches (`fetch` in the filter configuration, see README "Images by URL"): the filter
+  GETs an image through `mmrouter_fetch` (ORIGINAL_DST to the `ip:port` in
+  `x-mmrouter-fetch-address`, set only by the filter's own calls) when the URL names an IP
+  address, through `mmrouter_fetch_dns` (Envoy's dynamic forward proxy, its own DNS cache) when
+  it names a host; `_tls` variants for https (SNI and certificate checked against the host).
+  Redirects are never followed by Envoy (the filter decides, `fetch.max_redirects`). Envoy
+  buffers a call's whole response: `fetch.max_bytes` bounds what the filter reads, not what
+  Envoy receives. `--fetch-allow` adds host patterns to `fetch.allow` (and turns fetching on);
 - timeouts fit long generations: no route timeout, a 300 s stream idle timeout;
 - stats_tags turn the filter's metric names into Prometheus labels (worker, reason);
 - admin on 127.0.0.1:ADMIN_PORT.
@@ -62,10 +70,13 @@ WASM_FILTER = """          - name: envoy.filters.http.wasm
 """
 
 
-# Retries go to the next address the filter listed (override_host), on failures that mean the
-# request never reached a working engine. Not on 5xx: an engine that answered has done work.
+# Retries go to the next address the filter listed (override_host), on failures that mean no
+# working engine answered: connect failure, refused stream, and a reset before any response
+# (`reset`: an engine that crashed with the request in flight; Envoy retries only while no
+# response header has gone downstream, so a stream already answering is never replayed). Not
+# on 5xx: an engine that answered has done work.
 RETRY_POLICY = """                  retry_policy:
-                    retry_on: connect-failure,refused-stream,reset-before-request
+                    retry_on: connect-failure,refused-stream,reset
                     num_retries: 2
                     per_try_timeout: 0s"""
 
@@ -88,6 +99,52 @@ OUTLIER_DETECTION = """    outlier_detection:
       interval: 1s
       base_ejection_time: 5s
       max_ejection_percent: 50"""
+
+
+# The clusters the filter's image fetches go through (see the module docs).
+FETCH_BUFFER_LIMIT = 32 << 20
+TLS_SOCKET = """    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          validation_context:
+            trusted_ca: {{ filename: /etc/ssl/certs/ca-certificates.crt }}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        upstream_http_protocol_options: {{ auto_sni: true, auto_san_validation: true }}
+        explicit_http_config: {{ http_protocol_options: {{}} }}
+"""
+
+
+def fetch_clusters():
+    out = []
+    for tls in (False, True):
+        suffix = "_tls" if tls else ""
+        socket = TLS_SOCKET.format() if tls else ""
+        out.append(f"""  - name: mmrouter_fetch{suffix}
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {FETCH_BUFFER_LIMIT}
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-mmrouter-fetch-address
+{socket}  - name: mmrouter_fetch_dns{suffix}
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {FETCH_BUFFER_LIMIT}
+    cluster_type:
+      name: envoy.clusters.dynamic_forward_proxy
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.clusters.dynamic_forward_proxy.v3.ClusterConfig
+        dns_cache_config:
+          name: mmrouter_fetch{suffix}
+          dns_lookup_family: V4_PREFERRED
+          max_hosts: 1024
+{socket}""")
+    return "".join(out)
 
 
 def endpoints_yaml(workers, indent="        "):
@@ -275,7 +332,7 @@ static_resources:
   clusters:
 {workers_cluster(upstream, workers, eds_file)}{sidecar_cluster}
   # The filter's own /metrics polls of each worker: to exactly the address in the header.
-  - name: mmrouter_endpoint
+{fetch_clusters()}  - name: mmrouter_endpoint
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 1s
@@ -313,6 +370,9 @@ def main(argv):
     p.add_argument("--eds-file", metavar="PATH",
                    help="the workers cluster reads its members from this EDS file (written by "
                         "mmrouter-sidecar --eds-file); written from --workers if missing")
+    p.add_argument("--fetch-allow", metavar="PATTERNS",
+                   help="comma-separated host or host:port patterns added to the filter's "
+                        "fetch.allow (turns fetching on), e.g. 127.0.0.1:8765")
     p.add_argument("--out", help="output file (default stdout)")
     a = p.parse_args(argv)
     workers = [w.strip() for w in a.workers.split(",") if w.strip()]
@@ -325,6 +385,12 @@ def main(argv):
     if a.router_config:
         with open(a.router_config) as f:
             router_config = json.load(f)
+    extra_allow = [x.strip() for x in (a.fetch_allow or "").split(",") if x.strip()]
+    if extra_allow:
+        fetch = dict(router_config.get("fetch") or {})
+        fetch["enabled"] = True
+        fetch["allow"] = list(fetch.get("allow") or ["*"]) + extra_allow
+        router_config["fetch"] = fetch
     if a.eds_file and not os.path.exists(a.eds_file):
         os.makedirs(os.path.dirname(os.path.abspath(a.eds_file)), exist_ok=True)
         with open(a.eds_file, "w") as f:

@@ -5,57 +5,25 @@
 //! see (`mmrouter inspect`, the browser demo). [`analyze`] takes a body held whole;
 //! [`Analyzer`] takes it in pieces as a proxy receives it (the profile, which depends on the
 //! `model` field that may come last, is applied at [`Analyzer::finish`]).
+//!
+//! A proxy that fetches http(s) images splits the end in two: [`Analyzer::finish_scan`] gives
+//! the [`Scanned`] body (nothing left to read), [`Scanned::url_images`] names the images to
+//! fetch, and [`Scanned::finish`] describes them from what was fetched ([`FetchedImage`]: the
+//! same content identity and header size as an inline image of the same bytes) before the
+//! layout, which needs every item's identity and tokens.
 
-use crate::config::{ConfigError, RouterConfig};
+use crate::config::RouterConfig;
 use crate::identity::{DecodeError, MediaId};
-use crate::image_header::{HeaderError, ImageFormat, read_image_header};
+use crate::image_header::{HeaderError, HeaderReader, ImageFormat, ImageInfo, read_image_header};
 use crate::layout::{Layout, PlacedMedia, layout};
 use crate::request::{MediaKind, RequestError};
 use crate::scan::{BodyScanner, MediaContent, MediaSite, ScannedBody, ScannedMedia, SkippedPart};
 use crate::tokens::{ImageTokens, Profile, TokenError};
 use std::fmt;
+use xxhash_rust::xxh3::Xxh3;
 
-/// Token costs for media whose size the router cannot read.
-#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct MediaDefaults {
-    /// Size assumed for an http(s) image whose bytes were not seen (default 640×360, the size
-    /// llm-d assumes). The profile turns it into tokens like any other size.
-    pub url_image_width: u32,
-    pub url_image_height: u32,
-    /// Tokens assumed for a video item (default 2048: a few frames at video resolution; the
-    /// real count depends on duration, fps and the processor's frame sampling).
-    pub video_tokens: u32,
-    /// Tokens assumed for an audio item (default 750: 30 s through a Whisper-style encoder
-    /// pooled 2×, as Qwen2-Audio).
-    pub audio_tokens: u32,
-    /// Tokens assumed for `image_embeds` (default 256).
-    pub embeds_tokens: u32,
-}
-
-impl Default for MediaDefaults {
-    fn default() -> Self {
-        MediaDefaults {
-            url_image_width: 640,
-            url_image_height: 360,
-            video_tokens: 2048,
-            audio_tokens: 750,
-            embeds_tokens: 256,
-        }
-    }
-}
-
-impl MediaDefaults {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.url_image_width == 0 || self.url_image_height == 0 {
-            return Err(ConfigError::new(
-                "media.url_image_width",
-                "url image size must be non-zero",
-            ));
-        }
-        Ok(())
-    }
-}
+/// Re-exported where it used to live: the defaults belong to token estimation.
+pub use crate::tokens::MediaDefaults;
 
 /// What the router knows about one media item.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -228,8 +196,126 @@ impl Analyzer {
         config: &RouterConfig,
         overrides: Overrides<'_>,
     ) -> Result<Analysis, AnalyzeError> {
-        let body = self.scanner.finish().map_err(AnalyzeError::Request)?;
-        analysis_of(body, config, overrides)
+        self.finish_scan()?.finish(config, overrides, &[])
+    }
+
+    /// The end of the body, before tokens and layout: what is left needs no byte of the body.
+    pub fn finish_scan(self) -> Result<Scanned, AnalyzeError> {
+        Ok(Scanned {
+            body: self.scanner.finish().map_err(AnalyzeError::Request)?,
+        })
+    }
+}
+
+/// A body scanned to its end ([`Analyzer::finish_scan`]): its prompt text and media, before
+/// tokens and layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scanned {
+    body: ScannedBody,
+}
+
+impl Scanned {
+    /// The images given by URL (not inline), with their media index, in request order: the
+    /// ones a proxy can fetch. The URL is as the client wrote it (any scheme).
+    pub fn url_images(&self) -> Vec<(usize, &str)> {
+        self.body
+            .media
+            .iter()
+            .filter(|m| m.kind == MediaKind::Image)
+            .filter_map(|m| match &m.content {
+                MediaContent::Url(url) => Some((m.index, url.as_str())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Profile, tokens and layout. An image given by URL whose index is in `fetched` is
+    /// described from its fetched bytes (content identity, header size); the others get the
+    /// URL identity and the configured size, as without fetching.
+    pub fn finish(
+        self,
+        config: &RouterConfig,
+        overrides: Overrides<'_>,
+        fetched: &[(usize, FetchedImage)],
+    ) -> Result<Analysis, AnalyzeError> {
+        analysis_of(self.body, config, overrides, fetched)
+    }
+}
+
+/// An image fetched from its URL: what the router needs of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FetchedImage {
+    /// xxh3-128 of the bytes: the same content identity as the image sent inline.
+    pub digest: u128,
+    /// Format and size from the header (after EXIF orientation, as for inline images).
+    pub info: ImageInfo,
+    /// Length of the file in bytes.
+    pub bytes: u32,
+}
+
+impl FetchedImage {
+    /// The identity and size of an image file held whole.
+    pub fn of_bytes(bytes: &[u8]) -> Result<FetchedImage, HeaderError> {
+        let mut d = ImageDigest::new();
+        d.feed(bytes);
+        d.finish()
+    }
+}
+
+/// An image file read in pieces (a fetched body copied out of the proxy a chunk at a time):
+/// hashed and its header read as the pieces come, nothing kept.
+pub struct ImageDigest {
+    hasher: Xxh3,
+    header: HeaderReader,
+    bytes: u64,
+}
+
+impl fmt::Debug for ImageDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ImageDigest")
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for ImageDigest {
+    fn default() -> Self {
+        ImageDigest::new()
+    }
+}
+
+impl ImageDigest {
+    pub fn new() -> ImageDigest {
+        ImageDigest {
+            hasher: Xxh3::new(),
+            header: HeaderReader::new(),
+            bytes: 0,
+        }
+    }
+
+    pub fn feed(&mut self, piece: &[u8]) {
+        self.hasher.update(piece);
+        self.header.feed(piece);
+        self.bytes = self.bytes.saturating_add(piece.len() as u64);
+    }
+
+    /// Bytes fed so far.
+    pub fn len(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The end of the file: its identity and size, or why its header cannot be read.
+    pub fn finish(self) -> Result<FetchedImage, HeaderError> {
+        let info = self.header.finish()?;
+        Ok(FetchedImage {
+            digest: self.hasher.digest128(),
+            info,
+            bytes: u32::try_from(self.bytes).unwrap_or(u32::MAX),
+        })
     }
 }
 
@@ -237,6 +323,7 @@ fn analysis_of(
     body: ScannedBody,
     config: &RouterConfig,
     overrides: Overrides<'_>,
+    fetched: &[(usize, FetchedImage)],
 ) -> Result<Analysis, AnalyzeError> {
     let ScannedBody {
         mut prompt,
@@ -258,12 +345,17 @@ fn analysis_of(
     let mut media = Vec::with_capacity(scanned.len());
     let mut media_tokens = 0u64;
     for item in &scanned {
-        let report =
-            describe_media(item, &profile, &config.media).map_err(|error| AnalyzeError::Media {
+        let fetched = fetched
+            .iter()
+            .find(|(i, _)| *i == item.index)
+            .map(|(_, f)| f);
+        let report = describe_media(item, &profile, &config.media, fetched).map_err(|error| {
+            AnalyzeError::Media {
                 index: item.index,
                 kind: item.kind,
                 error,
-            })?;
+            }
+        })?;
         media_tokens += u64::from(report.tokens.tokens) + u64::from(report.tokens.markers);
         if media_tokens > config.limits.max_media_tokens {
             return Err(AnalyzeError::Media {
@@ -319,6 +411,7 @@ fn describe_media(
     item: &ScannedMedia,
     profile: &Profile,
     defaults: &MediaDefaults,
+    fetched: Option<&FetchedImage>,
 ) -> Result<MediaReport, MediaError> {
     let fixed = |tokens: u32| ImageTokens { tokens, markers: 2 };
     let url_sized = || {
@@ -356,6 +449,24 @@ fn describe_media(
                 height: Some(info.height),
                 bytes: Some(*bytes),
                 tokens,
+            }
+        }
+        // An image fetched from its URL: described by its bytes, as if it were inline.
+        (MediaContent::Url(_), MediaKind::Image) if fetched.is_some() => {
+            let Some(f) = fetched else {
+                return Err(MediaError::Header(HeaderError::Unrecognised));
+            };
+            MediaReport {
+                index: 0,
+                kind: MediaKind::Image,
+                id: MediaId::of_fetched(f.digest),
+                format: Some(f.info.format),
+                width: Some(f.info.width),
+                height: Some(f.info.height),
+                bytes: Some(f.bytes as usize),
+                tokens: profile
+                    .image_tokens(f.info.width, f.info.height)
+                    .map_err(MediaError::Tokens)?,
             }
         }
         // An image whose bytes were not seen: the size llm-d assumes.

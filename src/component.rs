@@ -144,7 +144,8 @@ fn media_item(m: &MediaReport) -> MediaItem {
         },
         id: m.id.id.clone(),
         source: match m.id.source {
-            CoreIdSource::Inline => IdSource::Inline,
+            // The component never fetches; a fetched id is one of the bytes, as inline.
+            CoreIdSource::Inline | CoreIdSource::Fetched => IdSource::Inline,
             CoreIdSource::Url => IdSource::Url,
             CoreIdSource::Uuid => IdSource::Uuid,
         },

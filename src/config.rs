@@ -2,12 +2,12 @@
 //! default. The proxy-wasm filter, the CLI and the demos all read this shape; the filter adds
 //! its workers and mode around it.
 
-use crate::analysis::MediaDefaults;
 use crate::layout::DEFAULT_BLOCK_SIZE;
 use crate::request::Limits;
 use crate::scoring::ScoringConfig;
-use crate::tokens::ProfileConfig;
-use std::fmt;
+use crate::tokens::{MediaDefaults, ProfileConfig};
+
+pub use crate::config_error::ConfigError;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -31,30 +31,6 @@ impl Default for RouterConfig {
             profiles: ProfileConfig::default(),
             media: MediaDefaults::default(),
             scoring: ScoringConfig::default(),
-        }
-    }
-}
-
-/// A configuration that was refused, naming the field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub field: String,
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "configuration field `{}`: {}", self.field, self.message)
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
-impl ConfigError {
-    pub fn new(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-        ConfigError {
-            field: field.into(),
-            message: message.into(),
         }
     }
 }

@@ -4,8 +4,10 @@
 //!   the decoded FILE bytes are hashed with xxh3-128, written as 32 lowercase hex characters.
 //!   vLLM hashes the same original encoded bytes, so two requests carry the same id exactly
 //!   when the engine would see the same item, whatever their MIME label or line wrapping.
-//! - http(s) URLs, until the bytes are fetched: xxh3-128 of the normalised URL (lowercase
-//!   scheme and host, default port and fragment dropped, query kept), marked [`IdSource::Url`].
+//! - http(s) URLs the filter fetched: xxh3-128 of the fetched bytes, the same id as the same
+//!   bytes sent inline (marked [`IdSource::Fetched`]).
+//! - http(s) URLs not fetched: xxh3-128 of the normalised URL (lowercase scheme and host,
+//!   default port and fragment dropped, query kept), marked [`IdSource::Url`].
 //! - A client `uuid` on the part: used verbatim, as vLLM does.
 
 use base64::Engine as _;
@@ -19,6 +21,9 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_128};
 pub enum IdSource {
     /// xxh3-128 of the decoded bytes of an inline image.
     Inline,
+    /// xxh3-128 of the bytes of an image the filter fetched from its URL (the same id as the
+    /// same bytes inline).
+    Fetched,
     /// xxh3-128 of the normalised URL (the bytes were not seen).
     Url,
     /// The client's `uuid`, verbatim.
@@ -44,6 +49,21 @@ impl MediaId {
             id: hex128(digest),
             source: IdSource::Inline,
         }
+    }
+
+    /// The identity of an image fetched from its URL, whose bytes hash to `digest`: the same
+    /// id as the same bytes inline, marked as fetched.
+    pub fn of_fetched(digest: u128) -> MediaId {
+        MediaId {
+            id: hex128(digest),
+            source: IdSource::Fetched,
+        }
+    }
+
+    /// Whether the identity is of the image's bytes (inline or fetched), not of a URL or a
+    /// client's uuid.
+    pub fn is_content(&self) -> bool {
+        matches!(self.source, IdSource::Inline | IdSource::Fetched)
     }
 
     /// The identity of a URL whose bytes were not seen.

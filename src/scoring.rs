@@ -59,7 +59,7 @@
 //! not a positive finite number falls back to the default. Matched counts above the request's
 //! blocks are clamped.
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 
 /// Scoring parameters. Every field is optional in the JSON configuration.
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]

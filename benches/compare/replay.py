@@ -1,10 +1,13 @@
 """Fleets of fresh mock workers behind one system, and the replay of prebuilt requests.
 
 Systems (each gets its own fresh workers, so every cache starts empty):
-  mmrouter     Envoy + the mmrouter Wasm filter (MMROUTER_WASM), rendered by envoy/render.py
-               as scripts/run does, with {"response_headers": true} so that every response
-               carries x-mmrouter-overlap
-  mmrouter-L   the same with a --router-config L=FILE merged into the plugin configuration
+  mmrouter     what ./scripts/run starts: Envoy + the mmrouter Wasm filter (MMROUTER_WASM),
+               rendered by envoy/render.py, following mmrouter-sidecar (MMROUTER_SIDECAR_BIN),
+               which follows the workers' KV events (precise mode); with
+               {"response_headers": true} so that every response carries x-mmrouter-overlap
+  mmrouter-approx  the same without the sidecar: the filter's embedded approximate mode
+               (its own decisions and the workers' /metrics), MMROUTER_SIDECAR=0 of scripts/run
+  mmrouter-L   mmrouter with a --router-config L=FILE merged into the plugin configuration
   sglang       SGLang's router (PyPI sglang-router 0.3.2), --policy cache_aware, defaults
   sglang-bal   the same with --balance-abs-threshold 4 (default 64)
   envoy-rr     plain Envoy (render.py --no-filter), round robin over the same workers
@@ -27,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
-ROUTERS = ("mmrouter", "sglang", "sglang-bal", "envoy-rr")
+ROUTERS = ("mmrouter", "mmrouter-approx", "sglang", "sglang-bal", "envoy-rr")
 
 # SGLang's balance thresholds scaled to this fleet: its defaults (abs 64, rel 1.5 requests in
 # flight) are for large batches and never trigger at a few requests per worker.
@@ -73,14 +76,17 @@ class Fleet:
         self.workers = []  # (name, "127.0.0.1:port", log path)
         self.system = system
         self.tools = tools
+        self.events = {}  # name -> (events endpoint, replay endpoint), precise mode
+        precise = system.startswith("mmrouter") and system != "mmrouter-approx"
         try:
             for i in range(n_workers):
-                self._start_worker(f"w{i}", worker_args)
+                self._start_worker(f"w{i}", worker_args, precise)
             self.port = free_port()
             if system == "bound":
                 self.port = int(self.workers[0][1].rsplit(":", 1)[1])
             elif system.startswith("mmrouter"):
-                self._start_envoy(dict(MMROUTER_BASE_CONFIG, **(router_config or {})))
+                sidecar = self._start_sidecar() if precise else None
+                self._start_envoy(dict(MMROUTER_BASE_CONFIG, **(router_config or {})), sidecar)
             elif system == "envoy-rr":
                 self._start_envoy(None)
             elif system == "sglang":
@@ -97,24 +103,57 @@ class Fleet:
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
-    def _start_worker(self, name, args):
+    def _start_worker(self, name, args, precise=False):
         log = self.tmp / f"{name}.log"
-        p = subprocess.Popen([str(self.tools["mock"]), "--port", "0", "--name", name, *args],
-                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        events = []
+        if precise:
+            # vLLM's --kv-events-config on free ports, as scripts/run starts its workers.
+            events = ["--kv-events-config", json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+                 "replay_endpoint": "tcp://*:0", "topic": f"kv@{name}"})]
+        p = subprocess.Popen([str(self.tools["mock"]), "--port", "0", "--name", name, *args,
+                              *events], stdout=subprocess.DEVNULL, stderr=open(log, "w"))
         self.procs.append(p)
 
         def ready():
-            m = re.search(r"listening on ([0-9.]+:\d+)", log.read_text())
-            if m:
+            text = log.read_text()
+            m = re.search(r"listening on ([0-9.]+:\d+)", text)
+            ev = re.search(r"kv-events on (tcp://\S+) replay (tcp://\S+)", text)
+            if m and (ev or not precise):
                 self.workers.append((name, m.group(1), log))
+                if ev:
+                    self.events[name] = (ev.group(1), ev.group(2))
                 return True
             return False
 
         wait_until(ready, 20, f"mock worker {name}", p, log)
 
-    def _start_envoy(self, plugin_config):
+    def _start_sidecar(self):
+        """mmrouter-sidecar over the workers (a membership file, as scripts/run writes it);
+        returns (its address, the EDS file it writes)."""
+        members = self.tmp / "workers.txt"
+        members.write_text("".join(
+            f"{n} {a} events={self.events[n][0]} replay={self.events[n][1]}\n"
+            for n, a, _ in self.workers))
+        port, eds, log = free_port(), self.tmp / "eds" / "workers.json", self.tmp / "sidecar.log"
+        self.procs.append(subprocess.Popen(
+            [str(self.tools["sidecar"]), "--listen", f"127.0.0.1:{port}",
+             "--workers-file", str(members), "--eds-file", str(eds)],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w")))
+
+        def ready():
+            status, body = http_get(f"http://127.0.0.1:{port}/v1/state")
+            if status != 200:
+                return False
+            workers = json.loads(body).get("workers", [])
+            return sum(1 for w in workers if w.get("healthy")) >= len(self.workers)
+
+        wait_until(ready, 30, "mmrouter-sidecar", self.procs[-1], log)
+        return f"127.0.0.1:{port}", eds
+
+    def _start_envoy(self, plugin_config, sidecar=None):
         """Envoy from envoy/render.py's command line, as scripts/run renders it; no plugin
-        configuration = no filter (round robin)."""
+        configuration = no filter (round robin); `sidecar` = (address, EDS file)."""
         path = self.tmp / "envoy.yaml"
         cmd = [sys.executable, str(ROOT / "envoy/render.py"),
                "--workers", ",".join(a for _, a, _ in self.workers),
@@ -126,6 +165,8 @@ class Fleet:
             cfg = self.tmp / "router-config.json"
             cfg.write_text(json.dumps(plugin_config))
             cmd += ["--wasm", str(self.tools["wasm"]), "--router-config", str(cfg)]
+            if sidecar:
+                cmd += ["--sidecar", sidecar[0], "--eds-file", str(sidecar[1])]
         subprocess.run(cmd, check=True)
         log = self.tmp / "envoy.log"
         self.procs.append(subprocess.Popen(

@@ -39,7 +39,7 @@ import report  # noqa: E402
 import sim  # noqa: E402
 import trace as tracegen  # noqa: E402
 
-DEFAULT_SYSTEMS = ("mmrouter", "sglang", "envoy-rr", "bound")
+DEFAULT_SYSTEMS = ("mmrouter", "mmrouter-approx", "sglang", "envoy-rr", "bound")
 
 MOCK_FLAGS = {"prefill_tps": "prefill-tokens-per-sec", "encoder_ms": "encoder-ms-per-image",
               "decode_tps": "decode-tokens-per-sec", "max_num_seqs": "max-num-seqs",
@@ -64,6 +64,7 @@ def tools_from_env():
         "wasm": Path(os.environ.get("MMROUTER_WASM", target / "wasm32-wasip1/wasm/mmrouter.wasm")),
         "mock": Path(os.environ.get("MOCK_WORKER_BIN", target / "release/mock-worker")),
         "envoy": Path(os.environ.get("MMROUTER_ENVOY", ROOT / ".venv/bin/envoy")),
+        "sidecar": Path(os.environ.get("MMROUTER_SIDECAR_BIN", target / "release/mmrouter-sidecar")),
         "trace_blocks": Path(os.environ.get("TRACE_BLOCKS_BIN", target / "release/examples/trace-blocks")),
         "python": Path(os.environ.get("BENCH_PYTHON", sys.executable)),
     }
@@ -255,6 +256,9 @@ def main(argv):
             sys.exit(f"missing {k}: {tools[k]}")
     if any(s.startswith("mmrouter") for s in systems) and not tools["wasm"].exists():
         sys.exit(f"missing the filter: {tools['wasm']}")
+    if any(s.startswith("mmrouter") and s != "mmrouter-approx" for s in systems) \
+            and not tools["sidecar"].exists():
+        sys.exit(f"missing mmrouter-sidecar: {tools['sidecar']}")
 
     plan = Plan(a, tools)
     families = [Path(a.trace).stem] if a.trace else plan.families

@@ -1,21 +1,22 @@
 #!/usr/bin/env python3
 """Assertions of the harness smoke test (scripts/test-harness) on a run's output directory.
 
-    python3 benches/compare/smoke_check.py DIR [--min-requests N]
+    python3 benches/compare/smoke_check.py DIR [--min-requests N] [--systems a,b,...]
 
 Fails (exit 1, with the reasons) unless: report.md holds the table; every system of the run
 has a row per family and worker count; hit rates are numbers in [0, 1]; the bound (one
 worker, unbounded cache) and the sim reference are at least round robin's; sim does not beat
 the bound; the prebuilt requests match what the mock computed (answers and prompt tokens);
 the simulator reproduces the bound run's cached tokens; no run failed or had errors; mmrouter
-rows carry a prediction error.
+rows carry a prediction error; every system named by --systems has run (a system that failed
+to start leaves no result).
 """
 import json
 import sys
 from pathlib import Path
 
 
-def check(out, min_requests):
+def check(out, min_requests, expected=()):
     out = Path(out)
     problems = []
     md = (out / "report.md").read_text()
@@ -25,6 +26,9 @@ def check(out, min_requests):
     results = json.loads((out / "results.json").read_text())
     by = {(r["family"], r["workers"], r["system"]): r for r in rows}
     systems = {r["system"] for r in results}
+    for s in expected:
+        if s not in systems:
+            problems.append(f"{s}: no run finished (see the log: it failed to start or run)")
     cells = {(r["family"], r["workers"]) for r in results}
     for fam, w in sorted(cells):
         for s in sorted(systems):
@@ -36,7 +40,7 @@ def check(out, min_requests):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: hit rate {h!r} not in [0, 1]")
         if r["system"] != "sim" and r.get("errors"):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: {r['errors']} errors")
-        if r["system"] == "mmrouter" and "prediction_mae_tokens" not in r:
+        if r["system"] in ("mmrouter", "mmrouter-approx") and "prediction_mae_tokens" not in r:
             problems.append(f"{r['family']}/{r['workers']}/mmrouter: no prediction error "
                             "(x-mmrouter-overlap missing?)")
     for fam, w in sorted(cells):
@@ -65,7 +69,8 @@ def check(out, min_requests):
 if __name__ == "__main__":
     d = sys.argv[1]
     n = int(sys.argv[sys.argv.index("--min-requests") + 1]) if "--min-requests" in sys.argv else 1
-    p = check(d, n)
+    expected = sys.argv[sys.argv.index("--systems") + 1].split(",") if "--systems" in sys.argv else ()
+    p = check(d, n, expected)
     if p:
         print("harness smoke: FAILED\n  " + "\n  ".join(p))
         sys.exit(1)

@@ -50,10 +50,10 @@ mod prefix_cache {
 use mmrouter::identity::decode_base64;
 use mmrouter::image_header::read_image_header;
 use mmrouter::request::Limits;
-use request::{MediaSource, parse};
 use mmrouter::tokens::Profile;
 use prefix_cache::MmRange;
 use prompt::{PlacedImage, output_token, render};
+use request::{MediaSource, parse};
 use std::io::{BufRead, Write};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_128};
 

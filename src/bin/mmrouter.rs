@@ -42,8 +42,15 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match run(&args) {
         Ok(out) => {
-            println!("{out}");
-            ExitCode::SUCCESS
+            use std::io::Write;
+            // A reader that went away (`| head`) ends the output quietly, as other CLIs do.
+            match writeln!(std::io::stdout().lock(), "{out}") {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    eprintln!("mmrouter: writing the output: {e}");
+                    ExitCode::FAILURE
+                }
+                _ => ExitCode::SUCCESS,
+            }
         }
         Err(Failure::Usage(msg)) => {
             if !msg.is_empty() {

@@ -12,6 +12,7 @@
 //!   "decision_log": "debug",
 //!   "stamp_uuid": false,
 //!   "state": {"capacity_blocks": 16384, "tick_ms": 20, "blocks": {...}, ...},
+//!   "fetch": {"enabled": true, "allow": ["*", "127.0.0.1:8765"], "timeout_ms": 2000, ...},
 //!   "metrics": {"poll_ms": 250, "path": "/metrics", "timeout_ms": 200,
 //!               "cluster": "mmrouter_endpoint", "unhealthy_after": 3},
 //!   "block_size": 16, "profiles": {...}, "scoring": {...},
@@ -25,6 +26,7 @@
 //! Where the workers come from: the `workers` list (static), or the sidecar's feed (`sidecar`
 //! set; the list may then be empty or omitted, and is used only until the first feed).
 
+use super::fetch::FetchConfig;
 use crate::config::{ConfigError, RouterConfig, json_error};
 use crate::state::StateConfig;
 use serde::Deserialize;
@@ -165,10 +167,13 @@ pub struct FilterConfig {
     pub stamp_uuid: bool,
     pub state: StateConfig,
     pub metrics: MetricsConfig,
+    /// Fetching http(s) images (see `filter::fetch`; off unless `fetch.enabled`).
+    pub fetch: FetchConfig,
     pub router: RouterConfig,
 }
 
-const FILTER_KEYS: [&str; 11] = [
+const FILTER_KEYS: [&str; 12] = [
+    "fetch",
     "stamp_uuid",
     "retry_alternates",
     "metrics",
@@ -236,6 +241,10 @@ impl FilterConfig {
             Some(v) => field("metrics", v)?,
             None => MetricsConfig::default(),
         };
+        let fetch: FetchConfig = match take("fetch") {
+            Some(v) => field("fetch", v)?,
+            None => FetchConfig::default(),
+        };
         debug_assert!(FILTER_KEYS.iter().all(|k| !map.contains_key(*k)));
         let router: RouterConfig =
             serde_json::from_value(serde_json::Value::Object(map)).map_err(|e| json_error(&e))?;
@@ -251,6 +260,7 @@ impl FilterConfig {
             stamp_uuid,
             state,
             metrics,
+            fetch,
             router,
         };
         config.validate()?;
@@ -258,6 +268,8 @@ impl FilterConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // Checked even when off, so that turning it on never finds a bad entry late.
+        self.fetch.guard()?;
         if self.workers.is_empty() && self.sidecar.is_none() {
             return Err(ConfigError::new(
                 "workers",
@@ -395,6 +407,41 @@ mod tests {
             Ok(_) => "(accepted)".into(),
             Err(e) => e.field,
         }
+    }
+
+    #[test]
+    fn the_fetch_object_is_parsed_and_its_guard_checked_naming_the_field() {
+        let w = r#""workers":[{"name":"w0","address":"127.0.0.1:8001"}]"#;
+        let c = FilterConfig::from_json(
+            format!(r#"{{{w},"fetch":{{"enabled":true,"allow":["*","127.0.0.1:8765"],"deadline_ms":900}}}}"#)
+                .as_bytes(),
+        )
+        .expect("valid");
+        assert!(c.fetch.enabled);
+        assert_eq!(c.fetch.deadline_ms, 900);
+        assert_eq!(c.fetch.allow, vec!["*", "127.0.0.1:8765"]);
+        let off = FilterConfig::from_json(format!("{{{w}}}").as_bytes()).expect("valid");
+        assert!(!off.fetch.enabled, "off unless asked for");
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"allow":["a*b"]}}}}"#)),
+            "fetch.allow"
+        );
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"schemes":["ftp"]}}}}"#)),
+            "fetch.schemes"
+        );
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"timeout_ms":0}}}}"#)),
+            "fetch.timeout_ms"
+        );
+        assert_eq!(
+            err_field(&format!(r#"{{{w},"fetch":{{"cache":{{"buckets":0}}}}}}"#)),
+            "fetch.cache.buckets"
+        );
+        assert_ne!(
+            err_field(&format!(r#"{{{w},"fetch":{{"typo":1}}}}"#)),
+            "(accepted)"
+        );
     }
 
     #[test]

@@ -22,8 +22,13 @@
 //! | `mmrouter.workers_joined` / `mmrouter.workers_left` | counter | membership changes |
 //! | `mmrouter.uuids_stamped` | counter | image parts given vLLM's `uuid` (the router's content id) |
 //! | `mmrouter.parts_skipped` | counter | content parts of an unknown or unsupported shape, skipped (the rest of the body keeps its cache affinity) |
+//! | `mmrouter.fetched` / `mmrouter.fetch_cached` | counter | images by URL identified by their bytes: fetched by this request, or found in the shared URL cache |
+//! | `mmrouter.fetch_failed.<reason>` | counter | images by URL that fell back to the URL identity and estimated size: `no_response` (reset, connect failure, timeout), `status`, `too_large`, `not_image`, `deadline` |
+//! | `mmrouter.fetch_refused.<reason>` | counter | images by URL the SSRF guard did not fetch: `scheme`, `bad_url`, `credentials`, `not_allowed`, `private_address`, `local_name`, `too_many` |
+//! | `mmrouter.fetch_waited` | counter | requests that waited for another request's fetch of one of their URLs |
 //! | `mmrouter.vm_memory_bytes.<vm>` | gauge | each VM's Wasm linear memory (its high-water mark: it never shrinks), set on its tick; `<vm>` is a per-VM random id |
 
+use super::fetch::{Failure, Plan};
 use super::poller::Event;
 use super::router::Decision;
 use proxy_wasm::hostcalls::{define_metric, increment_metric, record_metric};
@@ -53,6 +58,10 @@ pub struct Metrics {
     vm_memory: Option<u32>,
     stamped: Option<u32>,
     skipped: Option<u32>,
+    fetched: Option<u32>,
+    fetch_cached: Option<u32>,
+    fetch_waited: Option<u32>,
+    fetch_failures: HashMap<&'static str, Option<u32>>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -92,6 +101,10 @@ impl Metrics {
             left: counter("mmrouter.workers_left"),
             stamped: counter("mmrouter.uuids_stamped"),
             skipped: counter("mmrouter.parts_skipped"),
+            fetched: counter("mmrouter.fetched"),
+            fetch_cached: counter("mmrouter.fetch_cached"),
+            fetch_waited: counter("mmrouter.fetch_waited"),
+            fetch_failures: HashMap::new(),
             vm_memory: define_metric(
                 MetricType::Gauge,
                 &format!("mmrouter.vm_memory_bytes.{:08x}", vm as u32),
@@ -114,6 +127,28 @@ impl Metrics {
 
     pub fn skipped(&self, n: usize) {
         add(self.skipped, n as u64);
+    }
+
+    /// A request's images by URL, once it is routed.
+    pub fn fetch(&mut self, plan: &Plan, waited: bool) {
+        let (fetched, cached, _) = plan.counts();
+        add(self.fetched, fetched as u64);
+        add(self.fetch_cached, cached as u64);
+        if waited {
+            add(self.fetch_waited, 1);
+        }
+        for failure in plan.failures() {
+            let name = match failure {
+                Failure::Refused(_) => "fetch_refused",
+                _ => "fetch_failed",
+            };
+            let reason = failure.reason();
+            let id = *self
+                .fetch_failures
+                .entry(reason)
+                .or_insert_with(|| counter(&format!("mmrouter.{name}.{reason}")));
+            add(id, 1);
+        }
     }
 
     pub fn request(&self) {

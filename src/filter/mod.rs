@@ -8,6 +8,8 @@
 //!   score ([`crate::scoring`]), record; release a request's load as its phases end.
 //! - [`poller`]: the state writer's tick on the VM that holds the lease: membership,
 //!   decisions into the block buckets, `/metrics` polls; [`feed_apply`]: the sidecar's feed.
+//! - [`fetch`]: images by URL fetched through an Envoy cluster and identified by their bytes;
+//!   [`fetch::guard`] decides which URLs may be fetched.
 //! - [`stamp`]: vLLM's per-item `uuid` written into image parts, so the engine's KV events
 //!   name images as the router does (precise mode).
 //! - `proxy` and `metrics` (feature `filter`, wasm only): the proxy-wasm callbacks and metrics.
@@ -18,7 +20,9 @@
 //!    pause. Envoy must be configured with `allow_on_headers_stop_iteration: true`.
 //! 2. `on_http_request_body`: each piece of the body as it arrives goes through the incremental
 //!    analysis (images hashed as their base64 is decoded, nothing kept but what routing
-//!    needs); at the end of the stream decide, stamp image uuids (precise mode), set
+//!    needs); at the end of the stream, with `fetch.enabled`, the images given by URL are
+//!    fetched ([`fetch`]: SSRF guard, shared URL cache, `dispatch_http_call`s in parallel)
+//!    while the request stays paused; then (or at the fetch deadline) decide, stamp image uuids (precise mode), set
 //!    `x-gateway-destination-endpoint: ip:port` for the ORIGINAL_DST cluster, log
 //!    `[ROUTING] Best: <worker> with X/Y blocks overlap; wait .., prefill .., recompute ..`.
 //! 3. `on_http_response_headers`: optionally `x-mmrouter-worker`, `x-mmrouter-overlap` and
@@ -36,6 +40,7 @@
 
 pub mod config;
 pub mod feed_apply;
+pub mod fetch;
 #[cfg(all(feature = "filter", target_arch = "wasm32"))]
 mod metrics;
 pub mod poller;

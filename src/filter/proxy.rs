@@ -5,11 +5,13 @@
 //! request on it) on an unexpected one.
 
 use super::config::{DecisionLog, FilterConfig};
+use super::fetch::guard::{Guard, Target};
+use super::fetch::{Plan, Reply};
 use super::metrics::Metrics;
 use super::poller::{Dispatcher, Event, MAX_POLL_BODY, Poller};
 use super::router::{Decision, Fallback, Router};
 use super::stamp;
-use crate::analysis::{Analysis, Analyzer};
+use crate::analysis::{Analysis, AnalyzeError, Analyzer, ImageDigest, Overrides, Scanned};
 use crate::state::{SharedStore, StoreError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -130,6 +132,110 @@ struct Shared {
     store: HostStore,
     /// Whether the `[ROUTING]` line is logged at all (its level is on at the host).
     decision_level: Option<LogLevel>,
+    /// The SSRF guard, when fetching is on.
+    guard: Option<Guard>,
+    /// This VM's random id (claims in the URL cache are made unique with it).
+    holder: u64,
+    /// Requests whose body is complete, waiting for their images by URL, by context id.
+    waiting: HashMap<u32, Waiting>,
+    /// Decisions made outside a stream's own callbacks (a fetch answered, a tick), picked up
+    /// by the stream's next callback.
+    decided: HashMap<u32, Decision>,
+}
+
+/// A request held until its images by URL are fetched (or its deadline).
+struct Waiting {
+    scanned: Scanned,
+    plan: Plan,
+    /// Media index → URL, for a URL waited for that must be claimed again.
+    urls: Vec<(usize, String)>,
+    body_size: usize,
+    content_length: Option<usize>,
+    random: u64,
+    /// Some image waited for another request's fetch.
+    waited: bool,
+}
+
+/// Bytes of a fetched image copied into the VM at a time.
+const FETCH_PIECE: usize = 64 << 10;
+
+/// Sends the GETs `plan` asks for, from the current context.
+fn dispatch_fetches(plan: &mut Plan, s: &Shared, now_ms: u64) {
+    let config = &s.router.config.fetch;
+    for (pos, target) in plan.to_send() {
+        let left = plan.deadline_ms.saturating_sub(now_ms).max(1);
+        let timeout = config.timeout_ms.min(left);
+        let token = fetch_get(config, &target, timeout);
+        plan.sent(pos, token, config, &s.store, s.router.keys(), now_ms);
+    }
+}
+
+fn fetch_get(config: &super::fetch::FetchConfig, target: &Target, timeout_ms: u64) -> Option<u32> {
+    let cluster = config.cluster_for(target);
+    let address = match target.host.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(_)) => format!("[{}]:{}", target.host, target.port),
+        _ => format!("{}:{}", target.host, target.port),
+    };
+    let mut headers = vec![
+        (":method", "GET"),
+        (":path", target.path.as_str()),
+        (":authority", target.authority.as_str()),
+        (":scheme", target.scheme.name()),
+        ("accept", "image/*"),
+        // Names the fetcher to image servers (and lets tests tell it from the workers' GETs).
+        ("user-agent", "mmrouter-fetch"),
+    ];
+    if super::fetch::FetchConfig::by_address(target) {
+        headers.push((config.address_header.as_str(), address.as_str()));
+    }
+    hostcalls::dispatch_http_call(
+        &cluster,
+        headers,
+        None,
+        vec![],
+        Duration::from_millis(timeout_ms),
+    )
+    .ok()
+}
+
+/// Reads the answer to a fetch now being delivered: status, and the image read in pieces
+/// (hashed and its header read as they come, nothing kept).
+fn read_fetch_reply(num_headers: usize, body_size: usize, max_bytes: u32) -> Reply {
+    if num_headers == 0 {
+        return Reply::None;
+    }
+    let header = |name: &str| {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
+            .ok()
+            .flatten()
+    };
+    let status = header(":status").and_then(|v| v.parse::<u16>().ok());
+    match status {
+        Some(200) => {}
+        Some(301 | 302 | 303 | 307 | 308) => {
+            return match header("location") {
+                Some(l) => Reply::Redirect(l),
+                None => Reply::Status,
+            };
+        }
+        _ => return Reply::Status,
+    }
+    if body_size > max_bytes as usize {
+        return Reply::TooLarge;
+    }
+    let mut digest = ImageDigest::new();
+    let mut at = 0;
+    while at < body_size {
+        let n = FETCH_PIECE.min(body_size - at);
+        match hostcalls::get_buffer(BufferType::HttpCallResponseBody, at, n) {
+            Ok(Some(piece)) if !piece.is_empty() => {
+                at += piece.len();
+                digest.feed(&piece);
+            }
+            _ => return Reply::None,
+        }
+    }
+    Reply::Image(digest.finish())
 }
 
 impl Shared {
@@ -207,6 +313,16 @@ impl Context for FilterRoot {
         let Ok(mut s) = shared.try_borrow_mut() else {
             return;
         };
+        // A fetch sent from this root context (a URL claimed again on a tick).
+        let owner = s
+            .waiting
+            .iter()
+            .find(|(_, w)| w.plan.has_token(token))
+            .map(|(ctx, _)| *ctx);
+        if let Some(ctx) = owner {
+            on_fetch_reply(&mut s, ctx, token, num_headers, body_size, true);
+            return;
+        }
         let status = if num_headers == 0 {
             None
         } else {
@@ -275,6 +391,11 @@ impl RootContext for FilterRoot {
         );
         let router = Router::new(config);
         let store = HostStore::default();
+        let guard = if router.config.fetch.enabled {
+            router.config.fetch.guard().ok()
+        } else {
+            None
+        };
         let events = Poller::configure(&router, &store, now_us() / 1000);
         let shared = Shared {
             router,
@@ -282,6 +403,10 @@ impl RootContext for FilterRoot {
             metrics: Metrics::define(holder),
             store,
             decision_level,
+            guard,
+            holder,
+            waiting: HashMap::new(),
+            decided: HashMap::new(),
         };
         shared.log_events(&events);
         self.shared = Some(Rc::new(RefCell::new(shared)));
@@ -302,6 +427,7 @@ impl RootContext for FilterRoot {
             .tick(&s.router, &s.store, now_us() / 1000, &mut HostDispatcher);
         s.log_events(&events);
         s.metrics.vm_memory();
+        poll_waiting(s);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -343,7 +469,32 @@ struct FilterStream {
     finished: bool,
 }
 
-impl Context for FilterStream {}
+impl Context for FilterStream {
+    /// The answer to one of this request's fetches.
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        let Ok(mut s) = shared.try_borrow_mut() else {
+            return;
+        };
+        on_fetch_reply(
+            &mut s,
+            self.context_id,
+            token,
+            num_headers,
+            body_size,
+            false,
+        );
+        self.pick_up_decision(&mut s);
+    }
+}
 
 impl FilterStream {
     /// Feeds the body bytes Envoy has buffered since the last call to the analysis (one copy
@@ -367,7 +518,8 @@ impl FilterStream {
 
     /// The body is complete (or already over the limit: a chunked body without
     /// content-length): decide now. An oversize body streams on from here without being read.
-    fn decide(&mut self, s: &mut Shared) {
+    /// True when the request is held for its images by URL.
+    fn decide(&mut self, s: &mut Shared) -> bool {
         self.routing = false;
         let now = now_us();
         let random = self.random(now);
@@ -378,10 +530,16 @@ impl FilterStream {
                     .route_without_body(Fallback::TooLarge, &s.store, now, random),
                 None,
             ),
-            Some(a) => {
-                let result = a.finish(&s.router.config.router);
-                s.router.route_analyzed(result, &s.store, now, random)
-            }
+            Some(a) => match a.finish_scan() {
+                Err(e) => s.router.route_analyzed(Err(e), &s.store, now, random),
+                Ok(scanned) => match self.plan_fetches(s, scanned, now, random) {
+                    Some(w) => {
+                        self.decision = complete(s, w, None);
+                        return false;
+                    }
+                    None => return true,
+                },
+            },
             None => (None, None),
         };
         if let Some(a) = &analysis {
@@ -390,7 +548,78 @@ impl FilterStream {
                 stamp_uuids(a, self.body_size, self.content_length, s);
             }
         }
-        self.apply(s, decision);
+        self.decision = apply(s, decision, None);
+        false
+    }
+
+    /// The request's images by URL (fetching on): fetched in parallel, or found in the shared
+    /// cache. None when the request waits (held in `s.waiting` until settled or its deadline),
+    /// else the settled request to route now.
+    fn plan_fetches(
+        &mut self,
+        s: &mut Shared,
+        scanned: Scanned,
+        now_us: u64,
+        random: u64,
+    ) -> Option<Waiting> {
+        let urls: Vec<(usize, String)> = match &s.guard {
+            Some(_) => scanned
+                .url_images()
+                .into_iter()
+                .map(|(i, u)| (i, u.to_string()))
+                .collect(),
+            None => Vec::new(),
+        };
+        let now_ms = now_us / 1000;
+        let mut plan = match &s.guard {
+            Some(guard) if !urls.is_empty() => {
+                let refs: Vec<(usize, &str)> = urls.iter().map(|(i, u)| (*i, u.as_str())).collect();
+                let claim = xxh3_64(
+                    &[
+                        s.holder.to_le_bytes(),
+                        u64::from(self.context_id).to_le_bytes(),
+                        now_us.to_le_bytes(),
+                    ]
+                    .concat(),
+                );
+                Plan::new(
+                    &refs,
+                    &s.router.config.fetch,
+                    guard,
+                    &s.store,
+                    s.router.keys(),
+                    claim,
+                    now_ms,
+                )
+            }
+            _ => Plan::empty(),
+        };
+        dispatch_fetches(&mut plan, s, now_ms);
+        let waited = plan
+            .items
+            .iter()
+            .any(|i| i.step == super::fetch::Step::Waiting);
+        let w = Waiting {
+            scanned,
+            plan,
+            urls,
+            body_size: self.body_size,
+            content_length: self.content_length,
+            random,
+            waited,
+        };
+        if w.plan.settled() {
+            return Some(w);
+        }
+        s.waiting.insert(self.context_id, w);
+        None
+    }
+
+    /// A decision made while this stream was held (see `Shared::decided`).
+    fn pick_up_decision(&mut self, s: &mut Shared) {
+        if self.decision.is_none() {
+            self.decision = s.decided.remove(&self.context_id);
+        }
     }
 
     /// A random number for tie-breaks: this stream's id mixed with the time `now` (the caller
@@ -401,24 +630,163 @@ impl FilterStream {
         buf[4..].copy_from_slice(&now.to_le_bytes());
         xxh3_64(&buf)
     }
+}
 
-    fn apply(&mut self, s: &mut Shared, decision: Option<Decision>) {
-        let Some(decision) = decision else {
-            s.metrics.no_worker();
-            return;
-        };
-        let destination = decision.destination(usize::from(s.router.config.retry_alternates));
-        let _ = hostcalls::set_map_value(
-            MapType::HttpRequestHeaders,
-            &s.router.config.destination_header,
-            Some(&destination),
-        );
-        if let Some(level) = s.decision_level {
-            log(level, &decision_line(&decision));
+/// Sets the destination header for `decision` (on the current effective context), logs and
+/// counts it. `fetch` adds the images by URL to the log line.
+fn apply(s: &mut Shared, decision: Option<Decision>, fetch: Option<&Plan>) -> Option<Decision> {
+    let Some(decision) = decision else {
+        s.metrics.no_worker();
+        return None;
+    };
+    let destination = decision.destination(usize::from(s.router.config.retry_alternates));
+    let _ = hostcalls::set_map_value(
+        MapType::HttpRequestHeaders,
+        &s.router.config.destination_header,
+        Some(&destination),
+    );
+    if let Some(level) = s.decision_level {
+        let mut line = decision_line(&decision);
+        if let Some(plan) = fetch {
+            line.push_str(&fetch_line(plan));
         }
-        s.metrics
-            .routed(&decision, s.router.config.sidecar.is_some());
-        self.decision = Some(decision);
+        log(level, &line);
+    }
+    s.metrics
+        .routed(&decision, s.router.config.sidecar.is_some());
+    Some(decision)
+}
+
+/// `; images by URL: 1 fetched, 1 cached, 1 failed (no_response)`.
+fn fetch_line(plan: &Plan) -> String {
+    let (fetched, cached, failed) = plan.counts();
+    if fetched + cached + failed == 0 {
+        return String::new();
+    }
+    let mut line = format!("; images by URL: {fetched} fetched, {cached} cached, {failed} failed");
+    let reasons: Vec<&str> = plan.failures().iter().map(|f| f.reason()).collect();
+    if !reasons.is_empty() {
+        line.push_str(&format!(" ({})", reasons.join(", ")));
+    }
+    line
+}
+
+/// Routes a request whose images by URL are settled: analysis with the fetched identities,
+/// decision, stamping, destination header. `ctx`: the held stream's id when this runs outside
+/// its own callbacks (the decision is then kept in `s.decided` and the request resumed).
+/// Returns the decision when `ctx` is None.
+fn complete(s: &mut Shared, w: Waiting, ctx: Option<u32>) -> Option<Decision> {
+    if let Some(ctx) = ctx {
+        let _ = hostcalls::set_effective_context(ctx);
+    }
+    let Waiting {
+        scanned,
+        plan,
+        body_size,
+        content_length,
+        random,
+        waited,
+        ..
+    } = w;
+    let result: Result<Analysis, AnalyzeError> = scanned.finish(
+        &s.router.config.router,
+        Overrides::default(),
+        &plan.fetched(),
+    );
+    let (decision, analysis) = s.router.route_analyzed(result, &s.store, now_us(), random);
+    if let Some(a) = &analysis {
+        s.metrics.skipped(a.skipped_count);
+        if s.router.config.stamp_uuid && decision.is_some() {
+            stamp_uuids(a, body_size, content_length, s);
+        }
+    }
+    if !plan.items.is_empty() {
+        s.metrics.fetch(&plan, waited);
+    }
+    let decision = apply(s, decision, Some(&plan));
+    match ctx {
+        None => decision,
+        Some(ctx) => {
+            if let Some(d) = decision {
+                s.decided.insert(ctx, d);
+            }
+            let _ = hostcalls::resume_http_request();
+            None
+        }
+    }
+}
+
+/// The answer to a fetch of held stream `ctx`.
+fn on_fetch_reply(
+    s: &mut Shared,
+    ctx: u32,
+    token: u32,
+    num_headers: usize,
+    body_size: usize,
+    from_root: bool,
+) {
+    let Some(mut w) = s.waiting.remove(&ctx) else {
+        return;
+    };
+    let reply = read_fetch_reply(num_headers, body_size, s.router.config.fetch.max_bytes);
+    let now_ms = now_us() / 1000;
+    if let Some(guard) = &s.guard {
+        w.plan.on_reply(
+            token,
+            reply,
+            &s.router.config.fetch,
+            guard,
+            &s.store,
+            s.router.keys(),
+            now_ms,
+        );
+    }
+    if from_root {
+        // Sent from the root context, their answers come back to it.
+        dispatch_fetches(&mut w.plan, s, now_ms);
+    } else {
+        let _ = hostcalls::set_effective_context(ctx);
+        dispatch_fetches(&mut w.plan, s, now_ms);
+    }
+    settle_or_hold(s, ctx, w);
+}
+
+fn settle_or_hold(s: &mut Shared, ctx: u32, w: Waiting) {
+    if w.plan.settled() {
+        complete(s, w, Some(ctx));
+    } else {
+        s.waiting.insert(ctx, w);
+    }
+}
+
+/// On the root's tick: the held requests look again at the URLs they wait for (another
+/// request's fetch), take over claims that expired, and give up at their deadline.
+fn poll_waiting(s: &mut Shared) {
+    if s.waiting.is_empty() {
+        return;
+    }
+    let Some(guard) = s.guard.clone() else {
+        return;
+    };
+    let now_ms = now_us() / 1000;
+    let ids: Vec<u32> = s.waiting.keys().copied().collect();
+    for ctx in ids {
+        let Some(mut w) = s.waiting.remove(&ctx) else {
+            continue;
+        };
+        let urls = w.urls.clone();
+        let url_of = move |i: usize| urls.iter().find(|(j, _)| *j == i).map(|(_, u)| u.clone());
+        w.plan.poll(
+            &s.router.config.fetch,
+            &guard,
+            &s.store,
+            s.router.keys(),
+            now_ms,
+            &url_of,
+        );
+        // Sent from the root context: their answers come to the root, which hands them on.
+        dispatch_fetches(&mut w.plan, s, now_ms);
+        settle_or_hold(s, ctx, w);
     }
 }
 
@@ -549,7 +917,7 @@ impl HttpContext for FilterStream {
             let d = s
                 .router
                 .route_without_body(why, &s.store, now, self.random(now));
-            self.apply(s, d);
+            self.decision = apply(s, d, None);
             return Action::Continue;
         }
         self.routing = true;
@@ -579,7 +947,10 @@ impl HttpContext for FilterStream {
         if !end_of_stream && !over_limit {
             return Action::Pause;
         }
-        self.decide(&mut s);
+        if self.decide(&mut s) {
+            // Held until its images by URL are fetched: resumed by `complete`.
+            return Action::Pause;
+        }
         Action::Continue
     }
 
@@ -592,17 +963,22 @@ impl HttpContext for FilterStream {
             self.routing = false;
             return Action::Continue;
         };
-        if let Ok(mut s) = shared.try_borrow_mut() {
-            self.decide(&mut s);
+        if let Ok(mut s) = shared.try_borrow_mut()
+            && self.decide(&mut s)
+        {
+            return Action::Pause;
         }
         Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let Some(decision) = &self.decision else {
+        let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
-        let Some(shared) = self.shared.clone() else {
+        if let Ok(mut s) = shared.try_borrow_mut() {
+            self.pick_up_decision(&mut s);
+        }
+        let Some(decision) = &self.decision else {
             return Action::Continue;
         };
         let Ok(s) = shared.try_borrow() else {
@@ -666,7 +1042,19 @@ impl HttpContext for FilterStream {
             return;
         }
         self.finished = true;
-        let (Some(decision), Some(shared)) = (&self.decision, self.shared.clone()) else {
+        let Some(shared) = self.shared.clone() else {
+            return;
+        };
+        if let Ok(mut s) = shared.try_borrow_mut() {
+            self.pick_up_decision(&mut s);
+            // Ended while held (a reset): its claims are released, nothing is routed.
+            if let Some(mut w) = s.waiting.remove(&self.context_id) {
+                let s = &mut *s;
+                w.plan
+                    .expire(&s.router.config.fetch, &s.store, s.router.keys());
+            }
+        }
+        let Some(decision) = &self.decision else {
             return;
         };
         if let Ok(s) = shared.try_borrow() {

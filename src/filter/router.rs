@@ -124,7 +124,11 @@ impl Router {
     /// Creates the keys every VM writes with their initial value (at configuration time,
     /// before traffic: see "First writes" in [`crate::state`]).
     pub fn prepare(&self, store: &dyn SharedStore) -> bool {
-        ensure_key(store, &self.keys.load(), &[])
+        let load = ensure_key(store, &self.keys.load(), &[]);
+        // The URL cache's buckets exist before traffic, so that every claim is a CAS.
+        let urls = !self.config.fetch.enabled
+            || crate::state::urls::prepare(store, &self.keys, &self.config.fetch.cache);
+        load && urls
     }
 
     /// The membership and live tables, re-reading membership only when it moved.

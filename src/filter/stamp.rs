@@ -10,8 +10,9 @@
 //! events then name images the way the router does, and the sidecar maps an event's
 //! identifier to the router's image key without a tokenizer.
 //!
-//! Only images the router identified by their bytes are stamped (a URL the filter did not
-//! fetch keeps the engine's own identity, which is of the bytes too). A client's own `uuid` is
+//! Only images the router identified by their bytes are stamped: inline images, and URL images
+//! the filter fetched (`fetch` on), whose content id is that of the bytes the engine fetches
+//! too. A URL the filter did not fetch keeps the engine's own identity (of the bytes too). A client's own `uuid` is
 //! left as it is, as vLLM would use it. A content id is the same for everyone sending the same
 //! bytes, so where tenants must not share an image's cache they set `cache_salt`, which vLLM
 //! and the router both put in the first block's key.
@@ -24,7 +25,6 @@
 //! the bytes inserted.
 
 use crate::analysis::Analysis;
-use crate::identity::IdSource;
 
 /// One insertion: `text` goes at body offset `at`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +39,7 @@ pub fn uuid_insertions(analysis: &Analysis) -> Vec<Insertion> {
         .media
         .iter()
         .zip(&analysis.sites)
-        .filter(|(m, site)| m.id.source == IdSource::Inline && !site.has_uuid)
+        .filter(|(m, site)| m.id.is_content() && !site.has_uuid)
         .map(|(m, site)| Insertion {
             at: site.offset,
             text: format!("\"uuid\":\"{}\",", m.id.id),

@@ -19,7 +19,7 @@
 
 use super::wire::Reader;
 use super::workers::Live;
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 
 /// Sizes of the block buckets.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]

@@ -17,7 +17,7 @@
 //! Entries are kept in update order; a full bucket drops its least recently updated entry.
 
 use super::wire::Reader;
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 
 /// Sizes of the image buckets.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]

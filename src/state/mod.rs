@@ -12,6 +12,7 @@
 //! | `<ns>.load` | per slot: requests in flight, prefill queue clock ([`load`]) | every VM, CAS | every request |
 //! | `<ns>.b.<i>` | block buckets: router block key → holders ([`blocks`]) | the state writer | O(log n) per request ([`lookup`]) |
 //! | `<ns>.i.<i>` | image buckets: image key → holders with resident block counts ([`images`]) | the state writer (precise mode) | per image in the matched prefix |
+//! | `<ns>.u.<i>` | URL cache: image URL → content id and size, a failure, or an in-flight marker ([`urls`]) | every VM, CAS (filters with `fetch` on) | per fetchable image URL |
 //! | `<ns>.lease` | which VM is the state writer ([`lease`]) | any VM, CAS | the writer's tick |
 //! | queue `<ns>.decisions` | routing decisions waiting to be applied ([`decisions`]) | every VM, one enqueue per request | the state writer |
 //!
@@ -45,11 +46,12 @@ pub mod images;
 pub mod lease;
 pub mod load;
 pub mod lookup;
+pub mod urls;
 pub(crate) mod wire;
 pub mod workers;
 pub mod writer;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 
@@ -233,6 +235,10 @@ impl Keys {
 
     pub fn image_bucket(&self, index: u32) -> String {
         format!("{}.i.{index}", self.prefix)
+    }
+
+    pub fn url_bucket(&self, index: u32) -> String {
+        format!("{}.u.{index}", self.prefix)
     }
 
     pub fn decisions(&self) -> String {

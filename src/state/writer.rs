@@ -318,26 +318,39 @@ pub fn record_poll(
                 if let Some(c) = s.prefill {
                     let tokens = (c.prompt_tokens - c.hit_tokens).max(0.0);
                     let seconds = c.prefill_seconds;
-                    let restarted = l.tokens_total >= 0.0 && tokens < l.tokens_total;
-                    if restarted && l.flags & flag::EVENTS == 0 {
-                        l.clock = l.clock.wrapping_add(u64::from(l.capacity) + 1);
+                    // A restart resets every counter. Only raw counters tell: `prompt - hits`
+                    // goes down between two scrapes of a healthy engine too, because vLLM
+                    // counts a request's cache hits when it is scheduled and its prompt tokens
+                    // when its prefill ends. Taking that for a restart forgot the worker's
+                    // whole cache on a busy worker, again and again.
+                    let restarted =
+                        l.prefill_seconds_total >= 0.0 && seconds < l.prefill_seconds_total;
+                    if restarted {
+                        if l.flags & flag::EVENTS == 0 {
+                            l.clock = l.clock.wrapping_add(u64::from(l.capacity) + 1);
+                        }
+                        l.tokens_total = tokens;
+                        l.prefill_seconds_total = seconds;
+                    } else if l.tokens_total < 0.0 || tokens >= l.tokens_total {
+                        if l.tokens_total >= 0.0
+                            && let Some(tps) = prefill_tps(
+                                (l.tokens_total, l.prefill_seconds_total),
+                                (tokens, seconds),
+                            )
+                        {
+                            let old = f64::from(l.prefill_tps);
+                            let smoothed = if old > 0.0 {
+                                0.7 * old + 0.3 * tps
+                            } else {
+                                tps
+                            };
+                            l.prefill_tps = smoothed as f32;
+                        }
+                        l.tokens_total = tokens;
+                        l.prefill_seconds_total = seconds;
                     }
-                    if l.tokens_total >= 0.0
-                        && let Some(tps) = prefill_tps(
-                            (l.tokens_total, l.prefill_seconds_total),
-                            (tokens, seconds),
-                        )
-                    {
-                        let old = f64::from(l.prefill_tps);
-                        let smoothed = if old > 0.0 {
-                            0.7 * old + 0.3 * tps
-                        } else {
-                            tps
-                        };
-                        l.prefill_tps = smoothed as f32;
-                    }
-                    l.tokens_total = tokens;
-                    l.prefill_seconds_total = seconds;
+                    // Else hits were counted ahead of their prompt tokens: the totals stay
+                    // as they were until the prompt tokens catch up.
                 }
                 let count = engine_requests(s.load.running, s.load.waiting);
                 engine_count = Some(count);
@@ -515,6 +528,44 @@ mod tests {
             (1, 3),
             "the rest, and the decision behind them"
         );
+    }
+
+    #[test]
+    fn hits_counted_before_their_prompt_tokens_are_no_restart_but_a_counter_reset_is() {
+        let (store, keys, config) = setup(1);
+        let chain: Vec<u64> = (1..=10).collect();
+        decide(&store, &keys, 0, 10, &chain);
+        drain(&store, &keys, &config, 60_000, 0, 100);
+        let scrape = |prompt: f64, hits: f64, seconds: f64| EngineScrape {
+            load: crate::worker_metrics::WorkerMetrics {
+                waiting: 0.0,
+                running: 1.0,
+                kv_usage: 0.1,
+            },
+            num_gpu_blocks: None,
+            block_size: None,
+            prefill: Some(crate::worker_metrics::PrefillCounters {
+                prompt_tokens: prompt,
+                hit_tokens: hits,
+                prefill_seconds: seconds,
+            }),
+        };
+        let poll = |s, now| record_poll(&store, &keys, 16, 3, 0, Some(s), now);
+        assert!(poll(scrape(5000.0, 1000.0, 1.0), 100));
+        // vLLM counts a request's 3000 hit tokens when it schedules it and its prompt tokens
+        // when its prefill ends: in between, prompt - hits went down. Nothing restarted.
+        assert!(poll(scrape(5000.0, 4000.0, 1.0), 200));
+        assert_eq!(depths(&store, &keys, &config, &chain), vec![10]);
+        assert!(poll(scrape(8200.0, 4000.0, 1.1), 300));
+        assert_eq!(depths(&store, &keys, &config, &chain), vec![10]);
+        let tps = read_live(&store, &keys).slots[0].prefill_tps;
+        assert!(
+            (tps - 2000.0).abs() < 1.0,
+            "200 uncached tokens in 0.1 s, got {tps}"
+        );
+        // A restarted engine starts its counters over: its cache is gone.
+        assert!(poll(scrape(300.0, 0.0, 0.05), 400));
+        assert_eq!(depths(&store, &keys, &config, &chain), vec![0]);
     }
 
     #[test]

@@ -56,6 +56,7 @@
 
 mod gemma;
 mod internvl;
+mod media_defaults;
 mod params;
 mod profile;
 mod python_arith;
@@ -63,6 +64,7 @@ mod qwen;
 mod rules;
 
 pub use gemma::GEMMA4_BUDGETS;
+pub use media_defaults::MediaDefaults;
 pub use params::ProfileParams;
 pub use profile::Profile;
 pub use rules::{BUILTIN_RULES, ProfileConfig, ProfileRule, glob_match};

@@ -53,8 +53,12 @@ class PreciseStack:
                  "--router-config", self._write("config.json", json.dumps(config)),
                  "--out", str(out)], check=True)
             self.envoy_log = self.dir / "envoy.log"
+            self.envoy_config = out
+            self.base_id_path = self.dir / "base-id"
             self.procs.append(subprocess.Popen(
                 [str(ENVOY), "-c", str(out), "--concurrency", "2", "--use-dynamic-base-id",
+                 # the base id a hot restart (test_faults.py) passes to the next epoch
+                 "--base-id-path", str(self.base_id_path),
                  "--log-level", "warn", "--component-log-level", "wasm:info",
                  "--file-flush-interval-msec", "50", "--log-path", str(self.envoy_log)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

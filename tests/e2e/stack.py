@@ -60,8 +60,12 @@ class Stack:
             path = Path(self.tmp.name) / "envoy.yaml"
             path.write_text(config)
             self.envoy_log = Path(self.tmp.name) / "envoy.log"
+            self.envoy_config = path
+            self.base_id_path = Path(self.tmp.name) / "base-id"
             self.procs.append(subprocess.Popen(
                 [str(ENVOY), "-c", str(path), "--concurrency", "2", "--use-dynamic-base-id",
+                 # the base id a hot restart (test_faults.py) passes to the next epoch
+                 "--base-id-path", str(self.base_id_path),
                  "--log-level", "warn", "--component-log-level", "wasm:info",
                  "--file-flush-interval-msec", "50", "--log-path", str(self.envoy_log)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -5,7 +5,9 @@
 //! a retry can go to any worker the filter ranked, with no Envoy restart.
 //!
 //! Written atomically (a temporary file in the same directory, then a rename), as Envoy's
-//! watched-directory source expects: Envoy never reads a half-written file.
+//! watched-directory source expects: Envoy never reads a half-written file. A starting sidecar
+//! writes nothing until its membership sources name a worker (`reconcile` in main.rs): a
+//! restart must not empty the cluster Envoy is routing with.
 
 use crate::membership::WorkerSpec;
 use serde_json::json;

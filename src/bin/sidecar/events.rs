@@ -75,6 +75,7 @@ pub fn apply_batch(w: &mut WorkerState, batch: &EventBatch) -> ImageChanges {
             }
             KvEvent::AllBlocksCleared { .. } => {
                 w.events.cleared_total = w.events.cleared_total.saturating_add(1);
+                w.events.cleared_since_scrape = true;
                 w.residency.clear(&mut changes);
             }
             KvEvent::Unknown { .. } => w.events.unknown_events += 1,
@@ -179,6 +180,10 @@ impl Stream {
                 );
                 self.lock().update(&self.name, |w| {
                     w.events.publisher_restarts += 1;
+                    // The filter learns of a clear through cleared_total: its allocation clock
+                    // for the worker jumps, so its own decision records go stale too.
+                    w.events.cleared_total = w.events.cleared_total.saturating_add(1);
+                    w.events.cleared_since_scrape = true;
                     w.events.seq = None;
                     let mut c = Changes::default();
                     w.residency.clear(&mut c);

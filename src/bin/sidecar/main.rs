@@ -166,7 +166,11 @@ async fn reconcile(sources: Arc<Sources>, registry: Arc<Mutex<Registry>>, cfg: A
     loop {
         sources.wait_change().await;
         let (desired, clashes) = sources.desired();
-        if let Some(path) = &cfg.eds_file {
+        // The first change can come before the sources have been read (no workers yet): a
+        // restarted sidecar must not empty Envoy's cluster, which would fail every request
+        // until the next write. An empty set is written only once a non-empty one was.
+        let unread = eds_version == 0 && desired.is_empty();
+        if let Some(path) = cfg.eds_file.as_ref().filter(|_| !unread) {
             eds_version += 1;
             let members: Vec<&WorkerSpec> = desired.values().collect();
             match eds::write(path, &cfg.eds_cluster, eds_version, &members) {

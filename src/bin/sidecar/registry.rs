@@ -39,9 +39,17 @@ pub struct EventStatus {
     /// Blocks in `BlockStored` / `BlockRemoved` events since the sidecar started.
     pub stored_total: u64,
     pub removed_total: u64,
+    /// `AllBlocksCleared` events, and engine restarts (seen from the events or the scrapes):
+    /// each tells the filter that the worker's cache is empty.
     pub cleared_total: u32,
     /// The publisher's sequence went backwards (it restarted): residency was cleared.
     pub publisher_restarts: u32,
+    /// The engine's `vllm:prompt_tokens_total` went backwards between two good scrapes (it
+    /// restarted) with no clear from the event stream in between: residency was cleared.
+    pub scrape_restarts: u32,
+    /// The event stream cleared the residency since the last good scrape (a restart seen there
+    /// first is not cleared again by the scrape, which would drop what was stored since).
+    pub cleared_since_scrape: bool,
 }
 
 /// Everything known of one worker.
@@ -225,6 +233,22 @@ impl Registry {
             if let Some(c) = s.prefill {
                 w.prefill.observe(c, elapsed);
             }
+            let mut changes = Changes::default();
+            // A restarted engine comes back with an empty cache; its counters start again.
+            // Seen here at the scrape that makes it healthy again, before any request reaches
+            // it, while its first KV event comes only after one did.
+            let went_back = matches!(
+                (w.scrape.and_then(|old| old.prefill), s.prefill),
+                (Some(old), Some(new)) if new.prompt_tokens < old.prompt_tokens
+            );
+            if went_back && !w.events.cleared_since_scrape {
+                w.events.scrape_restarts += 1;
+                w.events.cleared_total = w.events.cleared_total.saturating_add(1);
+                // The new publisher numbers from 0 again.
+                w.events.seq = None;
+                w.residency.clear(&mut changes);
+            }
+            w.events.cleared_since_scrape = false;
             w.last_scrape_at = Some(now);
             w.scrapes_total += 1;
             w.failures_in_row = 0;
@@ -235,7 +259,6 @@ impl Registry {
                 Some(n) if n > 0 => max_blocks.min(usize::try_from(n).unwrap_or(usize::MAX)),
                 _ => max_blocks,
             };
-            let mut changes = Changes::default();
             if limit != w.residency.limit() {
                 w.residency.set_limit(limit, &mut changes);
             }
@@ -583,6 +606,7 @@ impl WorkerState {
                 "removed_total": e.removed_total,
                 "cleared_total": e.cleared_total,
                 "publisher_restarts": e.publisher_restarts,
+                "scrape_restarts": e.scrape_restarts,
             },
             "residency": {
                 "limit": self.residency.limit(),
@@ -745,5 +769,53 @@ mod tests {
             !p.contains("metrics_age_seconds{"),
             "never scraped: no sample"
         );
+    }
+
+    fn scrape_with_prompt_tokens(tokens: f64) -> EngineScrape {
+        EngineScrape {
+            load: WorkerMetrics {
+                waiting: 0.0,
+                running: 0.0,
+                kv_usage: 0.0,
+            },
+            num_gpu_blocks: Some(1000),
+            block_size: Some(16),
+            prefill: Some(mmrouter::worker_metrics::PrefillCounters {
+                prompt_tokens: tokens,
+                hit_tokens: 0.0,
+                prefill_seconds: tokens / 1000.0,
+            }),
+        }
+    }
+
+    #[test]
+    fn an_engine_whose_prompt_tokens_went_back_restarted_and_its_residency_is_cleared() {
+        let mut r = Registry::new(1000, 100, 2);
+        r.join(spec("a", "10.0.0.1:8000"), None, None);
+        r.scrape_ok("a", scrape_with_prompt_tokens(500.0));
+        store(&mut r, "a", &[1, 2], &[vec![7], vec![7]]);
+        r.scrape_ok("a", scrape_with_prompt_tokens(900.0));
+        assert_eq!(
+            r.feed(0, None).0.workers[0].resident,
+            2,
+            "counters grew: no restart"
+        );
+        assert_eq!(r.feed(0, None).0.workers[0].cleared_total, 0);
+        // Crashed and back: its counters start again.
+        r.scrape_ok("a", scrape_with_prompt_tokens(40.0));
+        let w = &r.feed(0, None).0.workers[0];
+        assert_eq!((w.resident, w.cleared_total), (0, 1));
+        assert_eq!(r.state_json()["workers"][0]["events"]["scrape_restarts"], 1);
+        // A restart the event stream saw first (it cleared) is not cleared again by the scrape:
+        // what was stored since stays.
+        r.update("a", |w| {
+            w.events.cleared_total += 1;
+            w.events.cleared_since_scrape = true;
+            ((), Vec::new())
+        });
+        store(&mut r, "a", &[3], &[vec![8]]);
+        r.scrape_ok("a", scrape_with_prompt_tokens(10.0));
+        let w = &r.feed(0, None).0.workers[0];
+        assert_eq!((w.resident, w.cleared_total), (1, 2));
     }
 }
