@@ -3,12 +3,16 @@
 //! plain TCP socket.
 
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use test_images::Png;
+
+#[path = "support/process.rs"]
+mod process;
+use process::spawn_listening;
 
 const MODEL: &str = "Qwen/Qwen2.5-VL-7B-Instruct";
 
@@ -21,34 +25,9 @@ struct Worker {
 impl Worker {
     /// Starts the worker with `--port 0 --time-scale 0` and `args` (later flags win).
     fn start(args: &[&str]) -> Worker {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mock-worker"))
-            .args(["--port", "0", "--time-scale", "0"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn mock-worker");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(rest) = line.split("listening on ").nth(1)
-                    && let Some(t) = tx.take()
-                {
-                    let addr = rest.split_whitespace().next().unwrap_or("").to_string();
-                    let _ = t.send(addr);
-                }
-                log2.lock().unwrap().push(line);
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("worker did not report its address");
-        let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+        let mut all = vec!["--port", "0", "--time-scale", "0"];
+        all.extend_from_slice(args);
+        let (child, port, log) = spawn_listening(env!("CARGO_BIN_EXE_mock-worker"), &all);
         Worker { child, port, log }
     }
 

@@ -3,7 +3,6 @@
 //! with `mmrouter::kv_events`. Each test starts the real binary on free ports (`--port 0`,
 //! `tcp://*:0`) and reads the endpoints from its stderr.
 
-use base64::Engine as _;
 use mmrouter::kv_events::{
     BlockStored, ExtraKey, KvEvent, KvEventLimits, KvMessage, decode_message, is_replay_end,
 };
@@ -201,43 +200,10 @@ fn cleared(got: &[KvMessage]) -> usize {
 
 // ---- requests -------------------------------------------------------------------------------
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = 0xffff_ffffu32;
-    for &b in data {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xedb8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-/// A PNG whose header says `side`x`side` (the pixel data is not decoded by the worker).
+/// A PNG data URL whose header says `side`x`side` (the mock reads only the header).
 fn png_url(side: u32, seed: u8) -> String {
-    let chunk = |out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]| {
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        let c = [&kind[..], data].concat();
-        out.extend_from_slice(&c);
-        out.extend_from_slice(&crc32(&c).to_be_bytes());
-    };
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    let ihdr = [
-        &side.to_be_bytes()[..],
-        &side.to_be_bytes(),
-        &[8, 2, 0, 0, 0],
-    ]
-    .concat();
-    chunk(&mut png, b"IHDR", &ihdr);
-    chunk(&mut png, b"IDAT", &[seed; 64]);
-    chunk(&mut png, b"IEND", &[]);
-    format!(
-        "data:image/png;base64,{}",
-        base64::engine::general_purpose::STANDARD.encode(png)
-    )
+    let png = test_images::Png::new(side, side).idat(&[seed; 64]).bytes();
+    test_images::data_url("image/png", &png)
 }
 
 fn chat(text: &str, images: &[(&str, Option<&str>)], max_tokens: u32) -> Value {

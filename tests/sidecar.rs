@@ -13,44 +13,16 @@ use mmrouter::kv_events::{
     BlockStored, EventBatch, ExtraKey, HashEncoding, KvEvent, WireForm, encode_batch,
 };
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+#[path = "support/process.rs"]
+mod process;
+use process::spawn_listening;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
-
-/// Starts a program, reads `listening on ADDR` from its stderr and keeps the other lines.
-fn spawn_listening(program: &str, args: &[&str]) -> (Child, u16, Arc<Mutex<Vec<String>>>) {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let log2 = log.clone();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if let Some(rest) = line.split("listening on ").nth(1)
-                && let Some(t) = tx.take()
-            {
-                let _ = t.send(rest.split_whitespace().next().unwrap_or("").to_string());
-            }
-            log2.lock().unwrap().push(line);
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| panic!("{program} did not report its address"));
-    let port = addr.rsplit(':').next().unwrap().parse().unwrap();
-    (child, port, log)
-}
 
 struct Worker {
     child: Child,
@@ -782,44 +754,10 @@ fn a_dropped_subscription_reconnects_and_catches_up() {
 // ---------------------------------------------------------------------------------------
 // KV events from the real mock worker
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut crc = 0xffff_ffffu32;
-    for &b in data {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xedb8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
 /// A PNG data URL whose header says `side`x`side` (the mock reads only the header).
 fn png_url(side: u32, seed: u8) -> String {
-    use base64::Engine as _;
-    let chunk = |out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]| {
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        let c = [&kind[..], data].concat();
-        out.extend_from_slice(&c);
-        out.extend_from_slice(&crc32(&c).to_be_bytes());
-    };
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    let ihdr = [
-        &side.to_be_bytes()[..],
-        &side.to_be_bytes(),
-        &[8, 2, 0, 0, 0],
-    ]
-    .concat();
-    chunk(&mut png, b"IHDR", &ihdr);
-    chunk(&mut png, b"IDAT", &[seed; 64]);
-    chunk(&mut png, b"IEND", &[]);
-    format!(
-        "data:image/png;base64,{}",
-        base64::engine::general_purpose::STANDARD.encode(png)
-    )
+    let png = test_images::Png::new(side, side).idat(&[seed; 64]).bytes();
+    test_images::data_url("image/png", &png)
 }
 
 /// A workers file naming the mock `w` with its own event endpoints.
