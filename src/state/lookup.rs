@@ -71,7 +71,8 @@ pub fn match_prefix(
         deepest_stamps: vec![None; slots],
         probes: 0,
     };
-    let mut deepest: Vec<(usize, Option<u32>)> = vec![(0, None); slots];
+    // Per slot, the stamp seen at its deepest held key so far (that depth is `lo`).
+    let mut stamps: Vec<Option<u32>> = vec![None; slots];
     if n == 0 || slots == 0 {
         return result;
     }
@@ -93,10 +94,10 @@ pub fn match_prefix(
                 && let Some(p) = present.get_mut(s)
             {
                 *p = true;
-                if let Some(d) = deepest.get_mut(s)
-                    && (d.1.is_none() || i + 1 > d.0)
+                if let (Some(d), Some(&l)) = (stamps.get_mut(s), lo.get(s))
+                    && (d.is_none() || i + 1 > l)
                 {
-                    *d = (i + 1, Some(h.stamp));
+                    *d = Some(h.stamp);
                 }
             }
         }
@@ -131,7 +132,7 @@ pub fn match_prefix(
         probe(mid, &mut lo, &mut hi, &mut result.probes);
     }
     result.depths = lo;
-    result.deepest_stamps = deepest.into_iter().map(|(_, stamp)| stamp).collect();
+    result.deepest_stamps = stamps;
     result
 }
 
