@@ -302,3 +302,71 @@ fn fetching_is_off_by_default_and_urls_keep_their_url_identity() {
     assert!(s.forwarded_upstream());
     assert!(vm.http_calls().is_empty());
 }
+
+#[test]
+fn a_name_the_guard_listener_resolved_to_a_special_address_is_a_refusal_not_a_failure() {
+    let host = host();
+    let vm = host
+        .vm(config(
+            r#"{"enabled":true,"allow":["*","images.example.com"],"timeout_ms":500,"deadline_ms":800}"#,
+        ))
+        .unwrap();
+    // A name allowed by `*` only goes through the guard listener, which answers with its
+    // marked 403 when the name resolved to a special-use address.
+    let s = send(&vm, &body("http://internal.example.test/a.png"));
+    let call = vm.http_calls().pop().expect("sent to the guard listener");
+    assert_eq!(call.upstream, "mmrouter_fetch_guard");
+    assert_eq!(
+        call.headers.get(":authority"),
+        Some("internal.example.test")
+    );
+    assert_eq!(call.headers.get("x-mmrouter-fetch-address"), None);
+    vm.answer_http_call(
+        call.token,
+        HttpResponse::new(403).header("x-mmrouter-fetch-refused", "resolved_special_address"),
+    )
+    .unwrap();
+    let s = vm.stream(s.id()).unwrap();
+    assert!(s.forwarded_upstream(), "the request goes on");
+    assert!(s.request_header(DEST).is_some());
+    assert_eq!(stamped_uuid(&s), None, "URL identity: nothing stamped");
+    assert_eq!(
+        host.metric_value("mmrouter.fetch_refused.resolved_special_address"),
+        Some(1)
+    );
+    assert_eq!(
+        vm.logs_containing("1 failed (resolved_special_address)")
+            .len(),
+        1
+    );
+    // Within the failure TTL the next request falls back at once, with the same reason.
+    let s = send(&vm, &body("http://internal.example.test/a.png"));
+    assert!(s.forwarded_upstream());
+    assert!(vm.http_calls().is_empty(), "the refusal is cached");
+    assert_eq!(
+        host.metric_value("mmrouter.fetch_refused.resolved_special_address"),
+        Some(2)
+    );
+
+    // An image server's own 403 is a failure (`status`), not a refusal.
+    let s = send(&vm, &body("https://other.example.test/a.png"));
+    let call = vm.http_calls().pop().expect("fetched");
+    assert_eq!(call.upstream, "mmrouter_fetch_guard_tls");
+    vm.answer_http_call(call.token, HttpResponse::new(403))
+        .unwrap();
+    assert!(vm.stream(s.id()).unwrap().forwarded_upstream());
+    assert_eq!(host.metric_value("mmrouter.fetch_failed.status"), Some(1));
+    assert_eq!(
+        host.metric_value("mmrouter.fetch_refused.resolved_special_address"),
+        Some(2)
+    );
+
+    // A name allowed by an exact entry goes straight to the dynamic forward proxy cluster.
+    let s = send(&vm, &body("http://images.example.com/a.png"));
+    let call = vm.http_calls().pop().expect("fetched");
+    assert_eq!(call.upstream, "mmrouter_fetch_dns");
+    vm.answer_http_call(call.token, image_reply(&png(64, 64, 3)))
+        .unwrap();
+    let s = vm.stream(s.id()).unwrap();
+    assert!(stamped_uuid(&s).is_some(), "identified by its bytes");
+}

@@ -24,7 +24,7 @@
 //! | `mmrouter.parts_skipped` | counter | content parts of an unknown or unsupported shape, skipped (the rest of the body keeps its cache affinity) |
 //! | `mmrouter.fetched` / `mmrouter.fetch_cached` | counter | images by URL identified by their bytes: fetched by this request, or found in the shared URL cache |
 //! | `mmrouter.fetch_failed.<reason>` | counter | images by URL that fell back to the URL identity and estimated size: `no_response` (reset, connect failure, timeout), `status`, `too_large`, `not_image`, `deadline` |
-//! | `mmrouter.fetch_refused.<reason>` | counter | images by URL the SSRF guard did not fetch: `scheme`, `bad_url`, `credentials`, `not_allowed`, `private_address`, `local_name`, `too_many` |
+//! | `mmrouter.fetch_refused.<reason>` | counter | images by URL the SSRF guard did not fetch: `scheme`, `bad_url`, `credentials`, `not_allowed`, `private_address`, `local_name`, `resolved_special_address` (a name Envoy's guard listener resolved to a special-use address), `too_many` |
 //! | `mmrouter.fetch_waited` | counter | requests that waited for another request's fetch of one of their URLs |
 //! | `mmrouter.vm_memory_bytes.<vm>` | gauge | each VM's Wasm linear memory (its high-water mark: it never shrinks), set on its tick; `<vm>` is a per-VM random id |
 

@@ -210,6 +210,12 @@ fn read_fetch_reply(num_headers: usize, body_size: usize, max_bytes: u32) -> Rep
             .flatten()
     };
     let status = header(":status").and_then(|v| v.parse::<u16>().ok());
+    if let Some(refusal) = Reply::refusal(
+        status,
+        header(super::fetch::guard::REFUSED_HEADER).as_deref(),
+    ) {
+        return Reply::Refused(refusal);
+    }
     match status {
         Some(200) => {}
         Some(301 | 302 | 303 | 307 | 308) => {

@@ -14,11 +14,17 @@
 //!   and any single-label name, which a resolver completes with its search domains) is refused
 //!   unless an exact entry names it.
 //!
-//! **Resolved addresses.** The filter cannot resolve names. A URL naming a host goes to the
-//! dynamic forward proxy cluster (`<fetch.cluster>_dns`), which resolves it; a public name that
-//! resolves to a private address is not refused by the filter. `docs/URL_IMAGES.md` says what
-//! a deployment does about it. [`Target::trusted`] records whether an exact entry allowed the
-//! URL (for such a deployment's cluster split; the filter does not use it yet).
+//! **Resolved addresses.** The filter cannot resolve names; Envoy does, and refuses what a
+//! name resolves to. [`Target::trusted`] picks the path (see
+//! [`super::FetchConfig::cluster_for`]): a name allowed by an exact entry goes straight to the
+//! dynamic forward proxy cluster (`<fetch.cluster>_dns`); a name allowed only by `*` or
+//! `*.suffix` goes to `<fetch.cluster>_guard`, an Envoy internal listener (rendered by
+//! `envoy/render.py`) whose dynamic forward proxy filter resolves the name and saves the
+//! address, whose RBAC filter refuses an address in [`SPECIAL_RANGES`] (read from this file by
+//! `envoy/render.py`) unless an exact address or CIDR entry of `fetch.allow` holds it, and whose
+//! router then connects through the same DNS cache. Its refusal is a 403 carrying
+//! [`REFUSED_HEADER`]: `resolved_special_address` ([`Refusal::ResolvedSpecialAddress`]).
+//! `docs/URL_IMAGES.md` has the data flow.
 
 use crate::config::ConfigError;
 use std::net::IpAddr;
@@ -71,6 +77,9 @@ pub enum Refusal {
     PrivateAddress,
     /// A local or single-label name not allowed by an exact entry.
     LocalName,
+    /// A name that Envoy's guard listener resolved to a special-use address not allowed by an
+    /// exact entry (its 403 carries [`REFUSED_HEADER`]).
+    ResolvedSpecialAddress,
     /// More images to fetch in the request than `fetch.max_images`.
     TooMany,
 }
@@ -84,24 +93,32 @@ impl Refusal {
             Refusal::NotAllowed => "not_allowed",
             Refusal::PrivateAddress => "private_address",
             Refusal::LocalName => "local_name",
+            Refusal::ResolvedSpecialAddress => "resolved_special_address",
             Refusal::TooMany => "too_many",
         }
     }
 
-    pub const ALL: [Refusal; 7] = [
+    pub const ALL: [Refusal; 8] = [
         Refusal::Scheme,
         Refusal::BadUrl,
         Refusal::Credentials,
         Refusal::NotAllowed,
         Refusal::PrivateAddress,
         Refusal::LocalName,
+        Refusal::ResolvedSpecialAddress,
         Refusal::TooMany,
     ];
 }
 
+/// The response header by which Envoy's guard listener marks its own refusal of a resolved
+/// address (value: a [`Refusal::reason`], `resolved_special_address`), to tell it from an image
+/// server's 403.
+pub const REFUSED_HEADER: &str = "x-mmrouter-fetch-refused";
+
 /// Special-use address ranges (IANA's IPv4 and IPv6 special-purpose registries, plus
-/// multicast and reserved space): never fetched unless allowed by an exact entry. The same list
-/// is rendered into the fetch cluster's DNS filter by `envoy/render.py` (a test compares them).
+/// multicast and reserved space): never fetched unless allowed by an exact entry. The single
+/// source of the list: `envoy/render.py` reads it from this file (keep it one quoted range per
+/// entry) to render the guard listener's RBAC filter for resolved addresses.
 pub const SPECIAL_RANGES: [&str; 28] = [
     "0.0.0.0/8",
     "10.0.0.0/8",
@@ -332,8 +349,8 @@ pub struct Target {
     pub authority: String,
     /// `:path`: path and query as written (`/` when empty), no fragment.
     pub path: String,
-    /// Allowed by an exact entry: fetched through the trusted cluster, whose DNS cache does
-    /// not drop special-use addresses.
+    /// Allowed by an exact entry: a name goes straight to the dynamic forward proxy cluster,
+    /// without the guard listener's check of the address it resolves to.
     pub trusted: bool,
 }
 
@@ -542,7 +559,7 @@ impl Guard {
     }
 }
 
-/// The special-use ranges as parsed values (for the DNS filter a deployment renders).
+/// The special-use ranges as parsed values.
 pub fn special_ranges() -> Vec<Cidr> {
     SPECIAL_RANGES
         .iter()
@@ -671,14 +688,10 @@ mod tests {
         assert_eq!(refusal(&g, "https://redis/"), Some("local_name"));
         assert_eq!(refusal(&g, "https://printer.local./"), Some("local_name"));
         assert_eq!(Refusal::TooMany.reason(), "too_many");
-        assert_eq!(
-            Refusal::ALL
-                .iter()
-                .map(|r| r.reason())
-                .collect::<Vec<_>>()
-                .len(),
-            7
-        );
+        let mut reasons: Vec<&str> = Refusal::ALL.iter().map(|r| r.reason()).collect();
+        reasons.sort_unstable();
+        reasons.dedup();
+        assert_eq!(reasons.len(), 8, "one distinct reason per refusal");
     }
 
     #[test]

@@ -37,7 +37,9 @@ pub struct FetchConfig {
     pub enabled: bool,
     /// Envoy cluster the GETs go through (default `mmrouter_fetch`). `envoy/render.py`
     /// renders it as an ORIGINAL_DST cluster reading `address_header`, for targets written as
-    /// IP addresses, and `<cluster>_dns` as a dynamic forward proxy for names.
+    /// IP addresses; `<cluster>_dns` as a dynamic forward proxy for names allowed by an exact
+    /// entry; `<cluster>_guard` as the guard listener (resolves, refuses special-use addresses,
+    /// then the dynamic forward proxy) for names allowed only by a wildcard.
     pub cluster: String,
     /// Header carrying `ip:port` to the ORIGINAL_DST cluster (default
     /// `x-mmrouter-fetch-address`).
@@ -100,12 +102,14 @@ impl FetchConfig {
     }
 
     /// The cluster a target goes through: `<cluster>` (ORIGINAL_DST, to the address in
-    /// `address_header`) for a target written as an IP address, `<cluster>_dns` (Envoy's
-    /// dynamic forward proxy) for a name; `_tls` appended for https.
+    /// `address_header`) for a target written as an IP address (the guard has checked it);
+    /// for a name, `<cluster>_dns` (Envoy's dynamic forward proxy) when an exact entry allowed
+    /// it ([`Target::trusted`]), else `<cluster>_guard` (the guard listener, which refuses a
+    /// name that resolves to a special-use address); `_tls` appended for https.
     pub fn cluster_for(&self, target: &Target) -> String {
         let mut name = self.cluster.clone();
         if target.host.parse::<std::net::IpAddr>().is_err() {
-            name.push_str("_dns");
+            name.push_str(if target.trusted { "_dns" } else { "_guard" });
         }
         if target.scheme == guard::Scheme::Https {
             name.push_str("_tls");
@@ -156,6 +160,7 @@ impl Failure {
             Failure::Status => 2,
             Failure::TooLarge => 3,
             Failure::NotImage => 4,
+            Failure::Refused(Refusal::ResolvedSpecialAddress) => 5,
             _ => 0,
         }
     }
@@ -166,6 +171,7 @@ impl Failure {
             2 => Failure::Status,
             3 => Failure::TooLarge,
             4 => Failure::NotImage,
+            5 => Failure::Refused(Refusal::ResolvedSpecialAddress),
             _ => Failure::NoResponse,
         }
     }
@@ -221,6 +227,23 @@ pub enum Reply {
     TooLarge,
     /// 200: the body read whole.
     Image(Result<FetchedImage, crate::image_header::HeaderError>),
+    /// Envoy's guard listener refused the target (see [`Reply::refusal`]).
+    Refused(Refusal),
+}
+
+impl Reply {
+    /// The refusal an answer carries: a 403 with [`guard::REFUSED_HEADER`] set to
+    /// `resolved_special_address` is the guard listener's own (its RBAC filter refused the
+    /// address the name resolved to); any other answer, an image server's 403 included, is
+    /// not a refusal.
+    pub fn refusal(status: Option<u16>, refused_header: Option<&str>) -> Option<Refusal> {
+        match (status, refused_header.map(str::trim)) {
+            (Some(403), Some(v)) if v == Refusal::ResolvedSpecialAddress.reason() => {
+                Some(Refusal::ResolvedSpecialAddress)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// One request's images by URL (see the module docs).
@@ -434,6 +457,7 @@ impl Plan {
             Reply::TooLarge => Err(Failure::TooLarge),
             Reply::Image(Ok(image)) => Ok(image),
             Reply::Image(Err(_)) => Err(Failure::NotImage),
+            Reply::Refused(r) => Err(Failure::Refused(r)),
             Reply::Redirect(location) => {
                 if hops >= config.max_redirects {
                     Err(Failure::Status)
@@ -694,11 +718,80 @@ mod tests {
         let reasons: Vec<&str> = p.failures().iter().map(|f| f.reason()).collect();
         assert_eq!(reasons, vec!["private_address", "scheme", "too_many"]);
         assert_eq!(p.to_send().len(), 3);
-        assert_eq!(c.cluster_for(&p.to_send()[0].1), "mmrouter_fetch_dns");
+        assert_eq!(c.cluster_for(&p.to_send()[0].1), "mmrouter_fetch_guard");
         let https = g.check("https://a.example.com/x.png").expect("allowed");
-        assert_eq!(c.cluster_for(&https), "mmrouter_fetch_dns_tls");
+        assert_eq!(c.cluster_for(&https), "mmrouter_fetch_guard_tls");
         let https_ip = g.check("https://93.184.216.34/x.png").expect("allowed");
         assert_eq!(c.cluster_for(&https_ip), "mmrouter_fetch_tls");
+    }
+
+    #[test]
+    fn names_allowed_by_a_wildcard_go_through_the_guard_listener_and_exact_names_do_not() {
+        let (c, g, _, _) = setup(&["*", "*.cdn.example.com", "images.example.com"]);
+        let cluster = |url: &str| c.cluster_for(&g.check(url).expect(url));
+        assert_eq!(
+            cluster("http://a.example.org/x.png"),
+            "mmrouter_fetch_guard"
+        );
+        assert_eq!(
+            cluster("https://a.cdn.example.com/x.png"),
+            "mmrouter_fetch_guard_tls"
+        );
+        assert_eq!(
+            cluster("http://images.example.com/x.png"),
+            "mmrouter_fetch_dns"
+        );
+        assert_eq!(
+            cluster("https://images.example.com/x.png"),
+            "mmrouter_fetch_dns_tls"
+        );
+        assert_eq!(cluster("http://93.184.216.34/x.png"), "mmrouter_fetch");
+    }
+
+    #[test]
+    fn only_the_guard_listeners_marked_403_is_a_refusal() {
+        let marked = Some("resolved_special_address");
+        assert_eq!(
+            Reply::refusal(Some(403), marked),
+            Some(Refusal::ResolvedSpecialAddress)
+        );
+        assert_eq!(
+            Reply::refusal(Some(403), None),
+            None,
+            "the server's own 403"
+        );
+        assert_eq!(Reply::refusal(Some(200), marked), None);
+        assert_eq!(Reply::refusal(Some(403), Some("other")), None);
+        assert_eq!(Reply::refusal(None, marked), None);
+    }
+
+    #[test]
+    fn a_resolved_address_refusal_is_cached_as_that_refusal() {
+        let (c, g, s, k) = setup(&["*"]);
+        let url = "http://images.example.test/a.png";
+        let mut p = Plan::new(&[(0, url)], &c, &g, &s, &k, 1, 0);
+        p.sent(0, Some(1), &c, &s, &k, 0);
+        p.on_reply(
+            1,
+            Reply::Refused(Refusal::ResolvedSpecialAddress),
+            &c,
+            &g,
+            &s,
+            &k,
+            1,
+        );
+        let refused = Failure::Refused(Refusal::ResolvedSpecialAddress);
+        assert_eq!(p.failures(), vec![refused]);
+        assert_eq!(refused.reason(), "resolved_special_address");
+        let q = Plan::new(&[(0, url)], &c, &g, &s, &k, 2, 5);
+        assert_eq!(
+            q.items[0].step,
+            Step::Failed {
+                failure: refused,
+                cached: true
+            },
+            "the next request falls back at once, with the same reason"
+        );
     }
 
     #[test]
