@@ -40,8 +40,10 @@ allow_on_headers_stop_iteration and the override_host load-balancing policy; tes
 Only the Python standard library is used.
 """
 import argparse
+import ipaddress
 import json
 import os
+import re
 import sys
 
 BUFFER_LIMIT = 64 << 20
@@ -118,7 +120,169 @@ TLS_SOCKET = """    transport_socket:
 """
 
 
-def fetch_clusters():
+GUARD_RS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "filter",
+                        "fetch", "guard.rs")
+REFUSED_HEADER = "x-mmrouter-fetch-refused"
+REFUSED_REASON = "resolved_special_address"
+
+
+def special_ranges(path=GUARD_RS):
+    """SPECIAL_RANGES of src/filter/fetch/guard.rs (the one list the filter's literal check and
+    the guard listener's check of resolved addresses share), as ipaddress networks."""
+    with open(path) as f:
+        text = f.read()
+    m = re.search(r"pub const SPECIAL_RANGES: \[&str; (\d+)\] = \[(.*?)\];", text, re.S)
+    if not m:
+        raise SystemExit(f"render.py: SPECIAL_RANGES not found in {path}")
+    ranges = [ipaddress.ip_network(r) for r in re.findall(r'"([^"]+)"', m.group(2))]
+    if len(ranges) != int(m.group(1)):
+        raise SystemExit(f"render.py: SPECIAL_RANGES of {path}: {len(ranges)} ranges read, "
+                         f"{m.group(1)} declared")
+    return ranges
+
+
+def allowed_addresses(allow):
+    """The exact address and CIDR entries of fetch.allow (what the guard calls an explicit
+    allowance of an address), as (network, port): port None for `:*`, "default" without a port.
+    Names, `*` and `*.suffix` entries allow no address."""
+    out = []
+    for entry in allow:
+        entry = entry.strip().lower()
+        if entry.startswith("["):
+            host, _, after = entry[1:].partition("]")
+            port = after[1:] if after.startswith(":") else None
+        elif entry.count(":") > 1:
+            host, port = entry, None
+        elif ":" in entry:
+            host, port = entry.rsplit(":", 1)
+        else:
+            host, port = entry, None
+        try:
+            network = ipaddress.ip_network(host, strict=False)
+        except ValueError:
+            continue
+        out.append((network, "default" if port is None else None if port == "*" else int(port)))
+    return out
+
+
+def dns_cache_config(tls, dns_resolver=None):
+    """The DNS cache of the dynamic forward proxy (cluster and guard listener filter share it:
+    the same name must have the same configuration). With `dns_resolver` (ip:port) c-ares asks
+    only that server."""
+    config = {"name": "mmrouter_fetch" + ("_tls" if tls else ""),
+              "dns_lookup_family": "V4_PREFERRED", "max_hosts": 1024}
+    if dns_resolver:
+        host, port = dns_resolver.rsplit(":", 1)
+        config["typed_dns_resolver_config"] = {
+            "name": "envoy.network.dns_resolver.cares",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.network.dns_resolver.cares.v3"
+                         ".CaresDnsResolverConfig",
+                "resolvers": [{"socket_address": {"address": host.strip("[]"),
+                                                  "port_value": int(port)}}],
+                "dns_resolver_options": {"no_default_search_domain": True}}}
+    return json.dumps(config)
+
+
+def upstream_ip(network, port=None):
+    """An RBAC permission on the address the dynamic forward proxy filter resolved."""
+    matcher = {"upstream_ip": {"address_prefix": str(network.network_address),
+                               "prefix_len": network.prefixlen}}
+    if port is not None:
+        matcher["upstream_port_range"] = {"start": port, "end": port}
+    return {"matcher": {
+        "name": "envoy.rbac.matchers.upstream_ip_port",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.rbac.matchers.upstream_ip_port.v3"
+                     ".UpstreamIpPortMatcher", **matcher}}}
+
+
+def guard_rbac(allow, default_port):
+    """The guard listener's RBAC: ALLOW only a stream whose name resolved (the filter state the
+    dynamic forward proxy filter saved is there: fail closed without it) to an address outside
+    SPECIAL_RANGES, or inside an exact address/CIDR entry of fetch.allow on its port."""
+    exceptions = [upstream_ip(n, default_port if p == "default" else p)
+                  for n, p in allowed_addresses(allow)]
+    resolved = {"or_rules": {"rules": [upstream_ip(ipaddress.ip_network("0.0.0.0/0")),
+                                       upstream_ip(ipaddress.ip_network("::/0"))]}}
+    special = {"or_rules": {"rules": [upstream_ip(n) for n in special_ranges()]}}
+    return json.dumps({"action": "ALLOW", "policies": {"resolved_public_or_allowed": {
+        "permissions": [{"and_rules": {"rules": [
+            resolved, {"or_rules": {"rules": [{"not_rule": special}, *exceptions]}}]}}],
+        "principals": [{"any": True}]}}})
+
+
+def fetch_guard(allow, dns_resolver=None):
+    """The guard listeners (internal listeners, no socket) and the clusters that reach them: the
+    filter sends a name allowed only by a wildcard there. Each resolves the name with the dynamic
+    forward proxy filter (the DNS cache of the `_dns` cluster), refuses a special-use address
+    with RBAC (a 403 marked with REFUSED_HEADER by local_reply_config), and routes to the `_dns`
+    cluster, which connects to the address that was checked (the same cache entry)."""
+    listeners, clusters = [], []
+    for tls in (False, True):
+        suffix = "_tls" if tls else ""
+        name = f"mmrouter_fetch_guard{suffix}"
+        listeners.append(f"""  - name: {name}
+    internal_listener: {{}}
+    per_connection_buffer_limit_bytes: {FETCH_BUFFER_LIMIT}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: {name}
+          # The filter's own timeout bounds each GET; nothing shorter here.
+          stream_idle_timeout: 0s
+          local_reply_config:
+            mappers:
+            # Only local replies are mapped: an image server's 403 passes unmarked. The only
+            # local 403 here is RBAC's (the dynamic forward proxy's own failures are 503s).
+            - filter:
+                status_code_filter:
+                  comparison:
+                    op: EQ
+                    value: {{ default_value: 403, runtime_key: mmrouter_fetch_guard.refused_status }}
+              headers_to_add:
+              - header: {{ key: {REFUSED_HEADER}, value: {REFUSED_REASON} }}
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+          route_config:
+            name: {name}
+            virtual_hosts:
+            - name: fetch
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: mmrouter_fetch_dns{suffix}, timeout: 0s }}
+          http_filters:
+          # Resolves the name (the request pauses until it is), saves the address.
+          - name: envoy.filters.http.dynamic_forward_proxy
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.dynamic_forward_proxy.v3.FilterConfig
+              save_upstream_address: true
+              dns_cache_config: {dns_cache_config(tls, dns_resolver)}
+          - name: envoy.filters.http.rbac
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC
+              rules: {guard_rbac(allow, 443 if tls else 80)}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+""")
+        clusters.append(f"""  - name: {name}
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {FETCH_BUFFER_LIMIT}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              envoy_internal_address: {{ server_listener_name: {name} }}
+""")
+    return "".join(listeners), "".join(clusters)
+
+
+def fetch_clusters(dns_resolver=None):
     out = []
     for tls in (False, True):
         suffix = "_tls" if tls else ""
@@ -139,10 +303,7 @@ def fetch_clusters():
       name: envoy.clusters.dynamic_forward_proxy
       typed_config:
         "@type": type.googleapis.com/envoy.extensions.clusters.dynamic_forward_proxy.v3.ClusterConfig
-        dns_cache_config:
-          name: mmrouter_fetch{suffix}
-          dns_lookup_family: V4_PREFERRED
-          max_hosts: 1024
+        dns_cache_config: {dns_cache_config(tls, dns_resolver)}
 {socket}""")
     return "".join(out)
 
@@ -247,7 +408,7 @@ SIDECAR_CLUSTER = """  # mmrouter-sidecar: the filter's state writer polls its f
 
 
 def render(workers, names, wasm, port, admin_port, router_config, with_filter=True,
-           upstream="override-host", sidecar=None, eds_file=None):
+           upstream="override-host", sidecar=None, eds_file=None, fetch_dns_resolver=None):
     """The bootstrap YAML. With with_filter=False the Wasm filter is left out: nothing sets the
     destination header, so every request takes the round-robin route (a baseline to compare
     against, same listener, buffers and clusters)."""
@@ -269,9 +430,16 @@ def render(workers, names, wasm, port, admin_port, router_config, with_filter=Tr
     if sidecar:
         sidecar_host, sidecar_port = sidecar.rsplit(":", 1)
         sidecar_cluster = SIDECAR_CLUSTER.format(host=sidecar_host.strip("[]"), port=sidecar_port)
+    guard_listeners, guard_clusters = fetch_guard(
+        (plugin.get("fetch") or {}).get("allow") or ["*"], fetch_dns_resolver)
     return f"""# Generated by envoy/render.py: mmrouter in front of {len(workers)} worker(s).
 # xDS from files (the workers' EDS file) needs a node identity.
 node: {{ id: mmrouter, cluster: mmrouter }}
+# The image fetches' guard listeners are internal listeners (no socket).
+bootstrap_extensions:
+- name: envoy.bootstrap.internal_listener
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener
 admin:
   address:
     socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
@@ -328,11 +496,11 @@ static_resources:
 {wasm_filter}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-
+{guard_listeners}
   clusters:
 {workers_cluster(upstream, workers, eds_file)}{sidecar_cluster}
-  # The filter's own /metrics polls of each worker: to exactly the address in the header.
-{fetch_clusters()}  - name: mmrouter_endpoint
+{fetch_clusters(fetch_dns_resolver)}{guard_clusters}  # The filter's own /metrics polls of each worker: to exactly the address in the header.
+  - name: mmrouter_endpoint
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 1s
@@ -373,6 +541,9 @@ def main(argv):
     p.add_argument("--fetch-allow", metavar="PATTERNS",
                    help="comma-separated host or host:port patterns added to the filter's "
                         "fetch.allow (turns fetching on), e.g. 127.0.0.1:8765")
+    p.add_argument("--fetch-dns-resolver", metavar="IP:PORT",
+                   help="the DNS server the image fetches' dynamic forward proxy asks (c-ares, "
+                        "that server only; default: the system's resolvers)")
     p.add_argument("--out", help="output file (default stdout)")
     a = p.parse_args(argv)
     workers = [w.strip() for w in a.workers.split(",") if w.strip()]
@@ -397,7 +568,7 @@ def main(argv):
             json.dump(eds_resource(workers), f)
     text = render(workers, names, a.wasm, a.port, a.admin_port, router_config,
                   with_filter=not a.no_filter, upstream=a.upstream, sidecar=a.sidecar,
-                  eds_file=a.eds_file)
+                  eds_file=a.eds_file, fetch_dns_resolver=a.fetch_dns_resolver)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

@@ -35,7 +35,8 @@ def free_port():
 
 
 class Stack:
-    def __init__(self, workers=4, plugin_config=None, worker_args=(), buffer_limit=None):
+    def __init__(self, workers=4, plugin_config=None, worker_args=(), buffer_limit=None,
+                 fetch_dns_resolver=None):
         self.tmp = tempfile.TemporaryDirectory(prefix="mmrouter-e2e-")
         self.procs = []
         self.workers = []  # (name, address)
@@ -54,6 +55,7 @@ class Stack:
                 # The tests read the response headers and the decision log line, which are
                 # off / at debug level by default.
                 {"response_headers": True, "decision_log": "info", **(plugin_config or {})},
+                fetch_dns_resolver=fetch_dns_resolver,
             )
             if buffer_limit is not None:
                 config = config.replace(str(render.BUFFER_LIMIT), str(buffer_limit))

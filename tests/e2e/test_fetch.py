@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import data_url, png
+from dns_responder import DnsResponder
 from precise import PreciseStack
 from stack import Stack
 
@@ -206,6 +207,87 @@ def test_refused_targets_are_not_fetched(stack, images):
         assert sum(images.router_hits.values()) == before, url
     stats = stack.stats()
     assert "mmrouter_fetch_refused" in stats
+
+
+NAME = "images.example.test"
+
+
+def logged(stack, pattern, within=3.0):
+    """Whether Envoy's log shows `pattern` within `within` s (the log is flushed every 50 ms)."""
+    deadline = time.time() + within
+    while True:
+        if re.search(pattern, stack.log()):
+            return True
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def dns():
+    """A DNS server Envoy's image fetches ask (render.py --fetch-dns-resolver): NAME is 127.0.0.1."""
+    server = DnsResponder({NAME: "127.0.0.1"})
+    yield server
+    server.close()
+
+
+def guard_rbac(stats):
+    """The http guard listener's RBAC counts."""
+    return {k: int(v) for k, v in re.findall(
+        r'^envoy_http_rbac_(allowed|denied)\{envoy_http_conn_manager_prefix="mmrouter_fetch_guard"\}'
+        r" (\d+)$", stats, re.M)}
+
+
+def test_a_wildcard_name_that_resolves_to_a_special_address_is_refused_in_envoy(images, dns):
+    """`*.example.test:*` allows the name, the filter cannot resolve it, Envoy's guard listener
+    does: 127.0.0.1 is loopback, so the GET never reaches the image server, the request is
+    routed all the same (URL identity) and the refusal is counted with its reason."""
+    stack = Stack(workers=1, fetch_dns_resolver=dns.address, plugin_config={"fetch": {
+        "enabled": True, "allow": ["*.example.test:*"], "timeout_ms": 1500, "deadline_ms": 1500}})
+    try:
+        url = f"http://{NAME}:{images.port}/a.png?resolved=refused"
+        s, h, b = stack.post(chat_url(url))
+        # Routed by the filter; the worker's own answer is what it is (the mock worker cannot
+        # resolve the test's name itself: vLLM's 400 for an unfetchable image).
+        assert h.get("x-mmrouter-worker") == "w0", (s, b)
+        assert images.count("/a.png?resolved=refused") == 0, "the image server was reached"
+        assert (NAME, 1) in dns.queries, "Envoy resolved the name through the test's DNS server"
+        assert logged(stack, r"1 failed \(resolved_special_address\)"), stack.log()[-2000:]
+        stats = stack.stats()
+        assert re.search(r"^mmrouter_fetch_refused_resolved_special_address\S* 1$", stats, re.M), \
+            [l for l in stats.splitlines() if "fetch_refused" in l]
+        # RBAC refused it in the guard listener (not a connect failure or a DNS failure).
+        assert guard_rbac(stats) == {"allowed": 0, "denied": 1}, stats
+    finally:
+        stack.close()
+
+
+def test_an_exact_address_entry_allows_a_wildcard_name_that_resolves_to_it(images, dns):
+    """The same name, with the resolved address allowed explicitly (`127.0.0.1:PORT`): fetched,
+    and identified by its bytes (the blocks of the same picture sent inline match). The exact
+    entry holds that port only: the same address on another port is still refused."""
+    other = ImageServer({"/a.png": PICTURE})
+    stack = Stack(workers=2, fetch_dns_resolver=dns.address, plugin_config={"fetch": {
+        "enabled": True, "allow": ["*.example.test:*", f"127.0.0.1:{images.port}"],
+        "timeout_ms": 1500, "deadline_ms": 1500}})
+    try:
+        s, h, b = stack.post(chat_url(data_url(PICTURE)))
+        assert s == 200, b
+        home = h["x-mmrouter-worker"]
+        time.sleep(0.1)
+        s, h, b = stack.post(chat_url(f"http://{NAME}:{images.port}/a.png?resolved=allowed"))
+        assert images.count("/a.png?resolved=allowed") == 1, "fetched once, through Envoy"
+        assert h["x-mmrouter-worker"] == home, (s, b)
+        m, t = overlap(h)
+        assert m == t, "identified by its bytes: the inline picture's blocks match"
+        assert logged(stack, r"1 fetched"), stack.log()[-2000:]
+        s, h, b = stack.post(chat_url(f"http://{NAME}:{other.port}/a.png?other-port"))
+        assert other.count("/a.png?other-port") == 0
+        assert logged(stack, r"1 failed \(resolved_special_address\)"), stack.log()[-2000:]
+        assert guard_rbac(stack.stats()) == {"allowed": 1, "denied": 1}
+    finally:
+        stack.close()
+        other.close()
 
 
 def test_done_when_with_the_scripts_run_stack():
