@@ -30,7 +30,13 @@ allow_on_headers_stop_iteration and the override_host load-balancing policy; tes
   GETs an image through `mmrouter_fetch` (ORIGINAL_DST to the `ip:port` in
   `x-mmrouter-fetch-address`, set only by the filter's own calls) when the URL names an IP
   address, through `mmrouter_fetch_dns` (Envoy's dynamic forward proxy, its own DNS cache) when
-  it names a host; `_tls` variants for https (SNI and certificate checked against the host).
+  it names a host allowed by an exact entry, through `mmrouter_fetch_guard` when a host is
+  allowed only by a wildcard: an internal listener that resolves the name (the dynamic forward
+  proxy filter, the same DNS cache), refuses with RBAC an address in SPECIAL_RANGES (read from
+  src/filter/fetch/guard.rs) unless an exact address/CIDR entry of fetch.allow holds it, marks
+  that 403 with x-mmrouter-fetch-refused, and routes to `mmrouter_fetch_dns`; `_tls` variants
+  for https (SNI and certificate checked against the host). `--fetch-dns-resolver IP:PORT`
+  makes the fetches' DNS cache ask only that server.
   Redirects are never followed by Envoy (the filter decides, `fetch.max_redirects`). Envoy
   buffers a call's whole response: `fetch.max_bytes` bounds what the filter reads, not what
   Envoy receives. `--fetch-allow` adds host patterns to `fetch.allow` (and turns fetching on);
