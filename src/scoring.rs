@@ -6,13 +6,14 @@
 //! every candidate worker `w` gets an estimated cost in seconds and the lowest wins:
 //!
 //! ```text
-//! cost(w) = wait(w) + prefill(w) + footprint(w) + running(w)
+//! cost(w) = wait(w) + prefill(w) + recompute_weight × recompute(w) + footprint(w) + running(w)
 //!
 //! wait(w)      = prefill still queued ahead on w: the router's queue clock (see
 //!                crate::state::load), or, when the engine reports a longer queue than the
 //!                router knows of (other routers' traffic), waiting(w) × this request's
 //!                full prefill time, whichever is larger
 //! prefill(w)   = (prompt_tokens − matched_blocks(w) × block_size) / speed(w)
+//! recompute(w) = (best_matched − matched_blocks(w)) × block_size / speed(w)
 //! footprint(w) = footprint_weight × max(0, share(w) − 1) × new_tokens(w) / speed(w)
 //! running(w)   = running_ms × running(w) / 1000
 //! ```
@@ -28,6 +29,16 @@
 //!   smallest tree) instead of piling onto the one worker that holds a short shared prefix,
 //!   whose sessions would then all queue there. A request that mostly hits its worker's cache
 //!   has few new tokens, so the term cannot pull a conversation away from its history.
+//! - `recompute(w)` is the part of `prefill(w)` that another candidate would not have to do:
+//!   the prefix the best-matched worker holds and `w` does not. `prefill(w)` already charges
+//!   it to this request; `recompute_weight` (default 1) charges it once more for everyone
+//!   else. A recompute occupies `w`'s prefill for that long, so every request queued behind it
+//!   there waits that much longer, and it writes a second copy of the prefix into `w`'s cache,
+//!   evicting other conversations' blocks there. With the default, a request leaves the
+//!   worker that holds its history only when the wait there costs more than twice the
+//!   recompute. Measured on `scripts/bench-compare`: the router that weighed only the
+//!   request's own time moved 12–55 of ~100–130 follow-up turns and lost hit rate to SGLang's
+//!   router, which never moves them.
 //! - `running(w)` (default 0) is for engines whose steps slow with batch size.
 //!
 //! Load counts once: the queue clock already holds the router's own requests, the engine's
@@ -39,11 +50,13 @@
 //! holds the 2 blocks of the shared system prompt; footprints are even.
 //!
 //! ```text
-//! A: wait 0.100 + prefill (2400 − 141×16)/8000 = 0.018  → 0.118 s
-//! B: wait 0     + prefill (2400 −   2×16)/8000 = 0.296  → 0.296 s   → A: stay with the KV
+//! A: wait 0.100 + prefill (2400 − 141×16)/8000 = 0.018                          → 0.118 s
+//! B: wait 0     + prefill (2400 −   2×16)/8000 = 0.296 + recompute 139×16/8000 = 0.278
+//!                                                                          → 0.574 s
 //! ```
-//! Had A 0.300 s queued, A would cost 0.318 s and B 0.296 s: the wait costs more than the
-//! recompute, and the request moves.
+//! A: stay with the KV. Had A 0.300 s queued, A would cost 0.318 s and B still 0.574 s: the
+//! request stays. At 0.600 s queued (0.618 s), the wait costs more than twice the recompute,
+//! and the request moves to B.
 //!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
@@ -79,6 +92,10 @@ pub struct ScoringConfig {
     pub running_ms: f64,
     /// Softmax temperature over min-max normalised costs (default 0 = always the lowest).
     pub temperature: f64,
+    /// How many times more a recompute counts than its own prefill time (default 1): the
+    /// delay it causes to the requests queued after it and the duplicate it writes into
+    /// another cache. 0 weighs the request's own time only.
+    pub recompute_weight: f64,
 }
 
 impl Default for ScoringConfig {
@@ -89,6 +106,7 @@ impl Default for ScoringConfig {
             footprint_half_life_ms: 60_000,
             running_ms: 0.0,
             temperature: 0.0,
+            recompute_weight: 1.0,
         }
     }
 }
@@ -105,6 +123,7 @@ impl ScoringConfig {
             ("footprint_weight", self.footprint_weight),
             ("running_ms", self.running_ms),
             ("temperature", self.temperature),
+            ("recompute_weight", self.recompute_weight),
         ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(ConfigError::new(
@@ -272,7 +291,8 @@ fn estimate(
     let footprint_s = config.footprint_weight * (share - 1.0).max(0.0) * prefill_s;
     let running_s = config.running_ms * known(c.running).unwrap_or(0.0) / 1000.0;
     let recompute_s = best_matched.saturating_sub(matched) as f64 * block / speed;
-    let cost_s = wait_s + prefill_s + footprint_s + running_s;
+    let cost_s =
+        wait_s + prefill_s + config.recompute_weight * recompute_s + footprint_s + running_s;
     Estimate {
         wait_s,
         prefill_s,

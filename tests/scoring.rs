@@ -41,6 +41,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.footprint_half_life_ms, 60_000);
     assert_eq!(c.running_ms, 0.0);
     assert_eq!(c.temperature, 0.0);
+    assert_eq!(c.recompute_weight, 1.0);
     assert!(c.validate().is_ok());
 }
 
@@ -56,6 +57,10 @@ fn validation_names_bad_values() {
             "scoring.footprint_weight",
         ),
         (r#"{"scoring":{"running_ms":-0.5}}"#, "scoring.running_ms"),
+        (
+            r#"{"scoring":{"recompute_weight":-1}}"#,
+            "scoring.recompute_weight",
+        ),
         (r#"{"scoring":{"inflight_weight":4}}"#, "inflight_weight"),
     ] {
         let e = RouterConfig::from_json(json.as_bytes()).expect_err(json);
@@ -82,25 +87,43 @@ fn the_worked_example_of_the_module_docs() {
     let a = c.estimates[0];
     let b = c.estimates[1];
     assert!((a.cost_s - 0.118).abs() < 1e-9, "{a:?}");
-    assert!((b.cost_s - 0.296).abs() < 1e-9, "{b:?}");
+    assert!((b.prefill_s - 0.296).abs() < 1e-9, "{b:?}");
     assert!((b.recompute_s - 139.0 * 16.0 / SPEED).abs() < 1e-9);
+    assert!((b.cost_s - 0.574).abs() < 1e-9, "{b:?}");
     assert_eq!(a.recompute_s, 0.0);
-    // 0.300 s queued on A: the wait costs more than the recompute.
+    // 0.300 s queued on A: the wait costs more than the recompute, not more than twice it.
     let ws = [worker(141, 0.300), worker(2, 0.0)];
+    assert_eq!(pick(req, &ws, &config(), 0), 0, "stay");
+    // 0.600 s: more than twice.
+    let ws = [worker(141, 0.600), worker(2, 0.0)];
     let c = choose(req, &ws, &config(), 0).expect("choice");
     assert_eq!(c.index, 1, "move");
     assert_eq!(c.passed_over(&ws), Some(0));
 }
 
 #[test]
-fn a_longer_match_wins_exactly_while_its_wait_is_below_the_recompute_it_saves() {
+fn a_longer_match_wins_exactly_while_its_wait_is_below_the_weighted_recompute_it_saves() {
     let req = request(100);
-    for matched in [10usize, 50, 90] {
-        let saved_s = matched as f64 * 16.0 / SPEED;
-        let stay = [worker(matched, saved_s * 0.99), worker(0, 0.0)];
-        assert_eq!(pick(req, &stay, &config(), 1), 0, "matched {matched}");
-        let go = [worker(matched, saved_s * 1.01), worker(0, 0.0)];
-        assert_eq!(pick(req, &go, &config(), 1), 1, "matched {matched}");
+    for weight in [0.0, 1.0, 2.5] {
+        let config = ScoringConfig {
+            recompute_weight: weight,
+            ..config()
+        };
+        for matched in [10usize, 50, 90] {
+            let saved_s = matched as f64 * 16.0 / SPEED * (1.0 + weight);
+            let stay = [worker(matched, saved_s * 0.99), worker(0, 0.0)];
+            assert_eq!(
+                pick(req, &stay, &config, 1),
+                0,
+                "w {weight} matched {matched}"
+            );
+            let go = [worker(matched, saved_s * 1.01), worker(0, 0.0)];
+            assert_eq!(
+                pick(req, &go, &config, 1),
+                1,
+                "w {weight} matched {matched}"
+            );
+        }
     }
 }
 

@@ -447,6 +447,7 @@ impl RootContext for FilterRoot {
             analyzer: None,
             decision: None,
             prefill_seen: false,
+            answered: false,
             finished: false,
         }))
     }
@@ -472,6 +473,8 @@ struct FilterStream {
     /// The request's prefill was seen to end (first response chunk of a stream, or an answer
     /// that came before the estimate).
     prefill_seen: bool,
+    /// The worker answered 2xx (its blocks are stored and freed when the stream ends).
+    answered: bool,
     finished: bool,
 }
 
@@ -852,10 +855,11 @@ fn decision_line(d: &Decision) -> String {
             );
             if let Some((name, matched, alt)) = &d.passed_over {
                 line.push_str(&format!(
-                    "; passed over {name} with {matched}/{} blocks: wait {:.1} ms > recompute {:.1} ms",
+                    "; passed over {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms > {:.1} ms",
                     d.total_blocks,
                     alt.wait_s * 1e3,
-                    e.recompute_s * 1e3,
+                    alt.cost_s * 1e3,
+                    e.cost_s * 1e3,
                 ));
             }
             line
@@ -990,6 +994,11 @@ impl HttpContext for FilterStream {
         let Ok(s) = shared.try_borrow() else {
             return Action::Continue;
         };
+        self.answered = decision.held.is_some()
+            && hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
+                .ok()
+                .flatten()
+                .is_some_and(|v| v.starts_with('2'));
         // A complete (non-streamed) answer comes after decoding; if it comes before the
         // estimated end of prefill, prefill was faster than estimated.
         if !decision.stream
@@ -1064,8 +1073,12 @@ impl HttpContext for FilterStream {
             return;
         };
         if let Ok(s) = shared.try_borrow() {
+            let now = now_us();
             s.router
-                .finished(&s.store, decision, now_us(), self.prefill_seen);
+                .finished(&s.store, decision, now, self.prefill_seen);
+            if self.answered && self.prefill_seen {
+                s.router.released(&s.store, decision, now);
+            }
         }
     }
 }

@@ -80,6 +80,21 @@ pub struct Decision {
     pub fallback: Option<Fallback>,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
+    /// What the engine frees when the request ends, for [`Router::released`] (None for a
+    /// fallback).
+    pub held: Option<Held>,
+}
+
+/// The blocks a routed request holds on its worker until it ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// The request's block keys (as recorded).
+    pub keys: Vec<u64>,
+    /// The worker's allocation clock and incarnation when the request was routed.
+    pub clock: u64,
+    pub incarnation: u8,
+    /// Blocks the request itself allocates (they move the clock in approximate mode).
+    pub new_blocks: u32,
 }
 
 impl Decision {
@@ -310,6 +325,12 @@ impl Router {
             precise: live.precise,
             fallback: None,
             recorded: end.is_some() && enqueued,
+            held: live.get(slot).map(|l| Held {
+                keys: keys.to_vec(),
+                clock: l.clock,
+                incarnation: l.incarnation,
+                new_blocks,
+            }),
         })
     }
 
@@ -446,6 +467,7 @@ impl Router {
             precise: live.precise,
             fallback: Some(why),
             recorded: end.is_some(),
+            held: None,
         })
     }
 
@@ -468,6 +490,45 @@ impl Router {
     ) -> bool {
         let unfinished = if prefill_seen { None } else { d.prefill_window };
         self.load.finish(store, d.target.slot, now_us, unfinished)
+    }
+
+    /// The request ended after its worker prefilled it: the engine frees its blocks now, and
+    /// a freed block's place in the engine's eviction order is its free time (vLLM appends a
+    /// finished request's blocks to the free queue, tail first), not the time it was routed.
+    /// Where the worker allocated more than 1/16 of its capacity for other requests since
+    /// this one was routed (it queued, or decoded long), its keys are stamped again, with no
+    /// new blocks: otherwise the router would think them evicted while the worker still
+    /// holds them, and move the conversation's next turn away from its history (measured on
+    /// the tight-cache families of `scripts/bench-compare`). One live-table read and at most
+    /// one enqueue.
+    pub fn released(&self, store: &dyn SharedStore, d: &Decision, now_us: u64) -> bool {
+        let Some(held) = &d.held else {
+            return false;
+        };
+        if held.keys.is_empty() {
+            return false;
+        }
+        let live = read_live(store, &self.keys);
+        let Some(l) = live.get(d.target.slot) else {
+            return false;
+        };
+        let others = l
+            .clock
+            .wrapping_sub(held.clock)
+            .saturating_sub(u64::from(held.new_blocks));
+        if l.incarnation != held.incarnation
+            || !l.active()
+            || others > u64::MAX / 2
+            || others * 16 <= u64::from(l.capacity.max(1))
+        {
+            return false;
+        }
+        store
+            .enqueue(
+                &self.keys.decisions(),
+                &decisions::encode(d.target.slot as u16, now_us / 1000, 0, 0, &held.keys),
+            )
+            .is_ok()
     }
 
     /// Every slot's load, as the shared table has it.
@@ -722,6 +783,60 @@ mod tests {
         assert_eq!(r.loads(&store, 2)[d.target.slot].queue_until_us, start + 10);
         assert!(r.finished(&store, &d, start + 20, true));
         assert_eq!(r.loads(&store, 2)[d.target.slot].inflight, 0);
+    }
+
+    /// Moves `slot`'s allocation clock by `blocks` (other requests' allocations).
+    fn allocate_elsewhere(store: &MemoryStore, r: &Router, slot: usize, blocks: u64) {
+        crate::state::writer::update_live(store, r.keys(), 0, |t| {
+            if let Some(l) = t.slots.get_mut(slot) {
+                l.clock += blocks;
+            }
+            true
+        });
+    }
+
+    #[test]
+    fn a_request_that_ends_late_keeps_its_blocks_cached_from_its_end_not_its_start() {
+        let capacity = u64::from(config(2).state.capacity_blocks);
+        let image = png(300, 200);
+        let matched_after = |release: bool| {
+            let store = MemoryStore::default();
+            let mut r = router(&store, 2);
+            let d = route(&mut r, &store, &body(&image, "what is this?"), 0, 0);
+            apply(&store, &r, 1);
+            // The request queued and decoded while its worker allocated 0.9 of its capacity
+            // for others; then it ended and its engine freed its blocks.
+            allocate_elsewhere(&store, &r, d.target.slot, capacity * 9 / 10);
+            if release {
+                assert!(
+                    r.released(&store, &d, 2_000),
+                    "blocks freed after 0.9 capacity are restamped"
+                );
+                apply(&store, &r, 2);
+            }
+            // Half a capacity more: by the routing-time stamps they are evicted.
+            allocate_elsewhere(&store, &r, d.target.slot, capacity / 2);
+            let again = route(&mut r, &store, &body(&image, "what is this?"), 3, 1);
+            (
+                again.target.slot == d.target.slot,
+                again.matched_blocks,
+                d.total_blocks,
+            )
+        };
+        let (same, matched, total) = matched_after(true);
+        assert!(same && matched == total, "{matched}/{total} after release");
+        let (_, matched, _) = matched_after(false);
+        assert_eq!(matched, 0, "without the release the model forgets them");
+    }
+
+    #[test]
+    fn a_request_that_ends_soon_adds_no_record() {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 2);
+        let d = route(&mut r, &store, &body(&png(300, 200), "x"), 0, 0);
+        apply(&store, &r, 1);
+        assert!(!r.released(&store, &d, 1_000), "nothing allocated since");
+        assert!(queued_records(&store, &r).is_empty());
     }
 
     #[test]
