@@ -151,6 +151,7 @@ fn scoring(c: &mut Criterion) {
                 prefill_tps: Some(8000.0 + i as f64),
                 footprint: (i % 11) as f64 * 10.0,
                 inflight: (i % 4) as u32,
+                holds_conversation: false,
             })
             .collect();
         let req = RequestSize {

@@ -106,6 +106,7 @@ impl Guest for Router {
                     prefill_tps: w.prefill_tps,
                     footprint: w.footprint,
                     inflight: w.inflight,
+                    holds_conversation: false,
                 },
             })
             .collect();

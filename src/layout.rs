@@ -80,6 +80,10 @@ pub struct Layout {
     pub block_size: usize,
     /// Virtual prompt length in tokens (full blocks plus the unkeyed tail).
     pub prompt_tokens: usize,
+    /// Full blocks before the last `assistant` message (0 when there is none): the previous
+    /// turn's prompt of the conversation this request continues. A worker that holds them
+    /// holds that conversation.
+    pub continued_blocks: usize,
     /// One chained key per full block.
     pub keys: Vec<u64>,
     /// Media overlaps, sorted by block.
@@ -113,8 +117,12 @@ pub fn layout(request: &Prompt, media: &[PlacedMedia], block_size: usize) -> Lay
     let block_size = block_size.max(1);
     let mut tokens: Vec<u32> = Vec::with_capacity(256);
     let mut spans: Vec<Span> = Vec::new();
+    let mut continued_tokens = 0usize;
     for message in &request.messages {
         let chat = request.api == ApiKind::Chat;
+        if message.role == "assistant" {
+            continued_tokens = tokens.len();
+        }
         if chat {
             tokens.push(IM_START);
             pseudo_tokens(&message.role, &mut tokens);
@@ -199,6 +207,7 @@ pub fn layout(request: &Prompt, media: &[PlacedMedia], block_size: usize) -> Lay
     Layout {
         block_size,
         prompt_tokens: tokens.len(),
+        continued_blocks: continued_tokens / block_size,
         keys,
         media: overlaps,
     }
@@ -389,6 +398,11 @@ mod tests {
         );
         let shared = ab.keys.len() - 1; // the generation prompt tail differs
         assert_eq!(&ab2.keys[..shared], &ab.keys[..shared]);
+        // The follow-up continues the first request: the blocks before its assistant
+        // message are the first request's prompt without its generation prompt.
+        assert_eq!(ab.continued_blocks, 0, "no assistant message");
+        assert_eq!(ab2.continued_blocks, (ab.prompt_tokens - 4) / 16);
+        assert!(ab2.continued_blocks <= ab.keys.len());
         // Same bytes under the same positions: identical layouts.
         assert_eq!(lay(&body2, &placed(&[1, 2], 64), 16), ab);
     }

@@ -181,6 +181,29 @@ fn new_content_avoids_a_worker_that_took_more_than_its_share() {
 }
 
 #[test]
+fn a_follow_up_that_adds_an_image_stays_with_its_conversation_despite_the_footprint() {
+    // The history is 17 blocks on the worker that took all the recent new content, 15 of them
+    // (the shared system prompt) everywhere; the turn adds a 150-block image.
+    let req = request(170);
+    let mut home = worker(17, 0.0);
+    home.footprint = 1000.0;
+    let ws = [home, worker(15, 0.0), worker(15, 0.0), worker(15, 0.0)];
+    assert_ne!(
+        pick(req, &ws, &config(), 0),
+        0,
+        "a new conversation with that prefix spreads"
+    );
+    let mut ws = ws;
+    ws[0].holds_conversation = true;
+    let c = choose(req, &ws, &config(), 0).expect("choice");
+    assert_eq!(c.index, 0, "{:?}", c.estimates);
+    assert_eq!(c.estimates[0].footprint_s, 0.0);
+    // Its queue still counts: twice the recompute of its 2 history blocks moves it.
+    ws[0].queued_s = 2.0 * 2.0 * 16.0 / SPEED * 1.01;
+    assert_ne!(pick(req, &ws, &config(), 0), 0);
+}
+
+#[test]
 fn the_footprint_term_cannot_pull_a_conversation_from_its_history() {
     // 95 of 100 blocks cached on a worker with all the recent footprint.
     let req = request(100);

@@ -239,6 +239,8 @@ impl Router {
                 let l = live.get(s).copied().unwrap_or_default();
                 let load = loads.get(s).copied().unwrap_or_default();
                 let mut c = candidate(&l, &load, prefix.depth(s), now_us, now_ms, half_life);
+                let continued = analysis.layout.continued_blocks;
+                c.holds_conversation = continued > 0 && prefix.depth(s) >= continued;
                 if now_ms.saturating_sub(l.metrics_ms) > fresh_for {
                     // Stale engine metrics say nothing about now.
                     c.waiting = None;
@@ -555,6 +557,7 @@ fn candidate(
         prefill_tps: (l.prefill_tps > 0.0).then_some(f64::from(l.prefill_tps)),
         footprint: l.footprint_at(now_ms, half_life_ms),
         inflight: load.inflight,
+        holds_conversation: false,
     }
 }
 

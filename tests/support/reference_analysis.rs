@@ -180,8 +180,12 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
     let block_size = block_size.max(1);
     let mut tokens: Vec<u32> = Vec::with_capacity(256);
     let mut spans: Vec<Span> = Vec::new();
+    let mut continued_tokens = 0usize;
     for message in &request.messages {
         let chat = request.api == ApiKind::Chat;
+        if message.role == "assistant" {
+            continued_tokens = tokens.len();
+        }
         if chat {
             tokens.push(IM_START);
             pseudo_tokens(&message.role, &mut tokens);
@@ -266,6 +270,7 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
     Layout {
         block_size,
         prompt_tokens: tokens.len(),
+        continued_blocks: continued_tokens / block_size,
         keys,
         media: overlaps,
     }
