@@ -22,7 +22,9 @@
 //! - `speed(w)` is the worker's observed prefill speed (uncached prompt tokens per second,
 //!   from its `vllm:request_prefill_time_seconds` and token counters), or
 //!   `prefill_tokens_per_sec` until it has one.
-//! - `matched_blocks(w)` is the prefix of the request's blocks that `w` holds.
+//! - `matched_blocks(w)` is the prefix of the request's blocks that `w` holds; in precise
+//!   mode, the part of it still cached when `w` admits the request, after the blocks of the
+//!   prefill queued before it (`admission_match`, docs/ROUTING.md).
 //! - `share(w)` is `w`'s recent footprint (new blocks the router put there, decayed with
 //!   `footprint_half_life_ms`) over the mean of the candidates. A worker that took more than
 //!   its share of new content pays for this request's new tokens in proportion: new content
@@ -101,6 +103,10 @@ pub struct ScoringConfig {
     /// delay it causes to the requests queued after it and the duplicate it writes into
     /// another cache. 0 weighs the request's own time only.
     pub recompute_weight: f64,
+    /// Precise mode: count only the part of a worker's match that is still cached when the
+    /// worker admits the request, after the blocks of the requests queued before it
+    /// (default true). False counts what the worker holds now.
+    pub admission_match: bool,
 }
 
 impl Default for ScoringConfig {
@@ -112,6 +118,7 @@ impl Default for ScoringConfig {
             running_ms: 0.0,
             temperature: 0.0,
             recompute_weight: 1.0,
+            admission_match: true,
         }
     }
 }

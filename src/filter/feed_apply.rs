@@ -322,4 +322,77 @@ mod tests {
             after.matched_blocks
         );
     }
+
+    #[test]
+    fn in_precise_mode_a_match_counts_only_what_survives_the_queue_ahead() {
+        let (store, mut router, mut state) = setup();
+        let workers = |stored: [u64; 2]| {
+            vec![
+                FeedWorker {
+                    capacity: 4000,
+                    ..worker("a", stored[0], 0)
+                },
+                FeedWorker {
+                    capacity: 4000,
+                    ..worker("b", stored[1], 0)
+                },
+            ]
+        };
+        state
+            .apply(&router, &store, &feed(workers([0, 0]), vec![]), 1)
+            .expect("applies");
+        update_live(&store, router.keys(), 1, |t| {
+            t.precise = true;
+            true
+        });
+        let b = body(&"a long shared system prompt with many words ".repeat(120));
+        let analysis = analyze(&b, &router.config.router).expect("analyses");
+        let n = analysis.layout.keys.len();
+        assert!(n >= 50, "{n} blocks");
+        let first = router
+            .route_analysis(&analysis, &store, 1_000_000, 1)
+            .expect("routed");
+        router.finished(&store, &first, 1_100_000, true);
+        drain(
+            &store,
+            router.keys(),
+            &router.config.state,
+            60_000,
+            1100,
+            100,
+        );
+        // Its engine stored half its capacity since: the first key is 0.5 old, the
+        // deepest (stamped n - 1 earlier, as the engine frees a request tail first) older.
+        let mut stored = [0, 0];
+        stored[first.target.slot] = 2000;
+        state
+            .apply(&router, &store, &feed(workers(stored), vec![]), 1200)
+            .expect("applies");
+        // Both workers have 0.6 of their capacity queued ahead (at the default 10,000
+        // tokens/s): by admission every matched block is gone.
+        let load = LoadTable::new(router.keys().load());
+        let queued_us = (0.6 * 4000.0 * 16.0 / 10_000.0 * 1e6) as u64;
+        for slot in 0..2 {
+            load.route(&store, slot, 2_000_000, queued_us);
+        }
+        let cut = router
+            .route_analysis(&analysis, &store, 2_000_000, 1)
+            .expect("routed");
+        assert_eq!(cut.matched_blocks, 0, "{:?}", cut.estimate);
+        // With admission_match off, the router counts what the worker holds now.
+        let mut now = Router::new(
+            FilterConfig::from_json(br#"{"sidecar":{},"scoring":{"admission_match":false}}"#)
+                .expect("config"),
+        );
+        let held = now
+            .route_analysis(&analysis, &store, 2_000_000, 1)
+            .expect("routed");
+        assert_eq!(held.matched_blocks, n);
+        // Without a queue, the half-capacity-old match survives whole.
+        let mut calm = Router::new(FilterConfig::from_json(br#"{"sidecar":{}}"#).expect("config"));
+        let later = calm
+            .route_analysis(&analysis, &store, 60_000_000, 1)
+            .expect("routed");
+        assert_eq!(later.matched_blocks, n);
+    }
 }

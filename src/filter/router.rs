@@ -15,7 +15,7 @@ use crate::scoring::{Candidate, Estimate, RequestSize, choose, pick_below, split
 use crate::state::blocks::Bucket;
 use crate::state::images::resident_blocks;
 use crate::state::load::{Load, LoadTable};
-use crate::state::lookup::{default_probes, match_prefix};
+use crate::state::lookup::{PrefixMatch, default_probes, match_prefix, surviving_depth};
 use crate::state::workers::{Live, LiveTable, Members, flag};
 use crate::state::writer::{read_live, read_members};
 use crate::state::{Keys, SharedStore, cas_update, decisions, ensure_key};
@@ -230,6 +230,9 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
+        if live.precise && self.config.router.scoring.admission_match {
+            self.cut_to_admission(&live, loads, &eligible, &mut prefix, now_us);
+        }
         let now_ms = now_us / 1000;
         let half_life = self.config.router.scoring.footprint_half_life_ms;
         let fresh_for = self.metrics_fresh_for_ms();
@@ -367,6 +370,50 @@ impl Router {
                     .then(|| b.encode())
             },
         );
+    }
+
+    /// Precise mode: a worker's match is what its engine will still hold when it admits the
+    /// request, after allocating the blocks of the prefill queued before it (the router's
+    /// queue clock, at the worker's speed). In approximate mode the router's own decisions
+    /// moved the worker's allocation clock already.
+    fn cut_to_admission(
+        &self,
+        live: &LiveTable,
+        loads: &[Load],
+        eligible: &[usize],
+        prefix: &mut PrefixMatch,
+        now_us: u64,
+    ) {
+        let block = self.config.router.block_size.max(1) as f64;
+        let default_tps = self.config.router.scoring.prefill_tokens_per_sec;
+        for &s in eligible {
+            let depth = prefix.depth(s);
+            let (Some(l), Some(stamp)) =
+                (live.get(s), prefix.deepest_stamps.get(s).copied().flatten())
+            else {
+                continue;
+            };
+            if depth == 0 {
+                continue;
+            }
+            let speed = if l.prefill_tps > 0.0 {
+                f64::from(l.prefill_tps)
+            } else {
+                default_tps
+            };
+            let queued_s = loads.get(s).map_or(0, |x| x.queued_us(now_us)) as f64 / 1e6;
+            let ahead = queued_s * speed / block / f64::from(l.capacity.max(1));
+            let first_age = prefix
+                .first_stamps
+                .get(s)
+                .copied()
+                .flatten()
+                .map(|f| l.age(f));
+            let keep = surviving_depth(depth, first_age, l.age(stamp), ahead);
+            if let Some(d) = prefix.depths.get_mut(s) {
+                *d = keep;
+            }
+        }
     }
 
     /// Precise mode: a worker's matched prefix stops at an image whose blocks its engine

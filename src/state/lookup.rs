@@ -33,6 +33,9 @@ pub struct PrefixMatch {
     /// Per slot, the stamp of the deepest key it was seen holding (the oldest stamp of its
     /// match: a request's stamps only get older along its chain).
     pub deepest_stamps: Vec<Option<u32>>,
+    /// Per slot, the stamp of the request's first key when it was read (the newest stamp of
+    /// its match). None when key 0 was not read: a match proven by the last key alone.
+    pub first_stamps: Vec<Option<u32>>,
     /// Bucket reads made.
     pub probes: usize,
 }
@@ -69,10 +72,12 @@ pub fn match_prefix(
     let mut result = PrefixMatch {
         depths: vec![0; slots],
         deepest_stamps: vec![None; slots],
+        first_stamps: vec![None; slots],
         probes: 0,
     };
     // Per slot, the stamp seen at its deepest held key so far (that depth is `lo`).
     let mut stamps: Vec<Option<u32>> = vec![None; slots];
+    let mut firsts: Vec<Option<u32>> = vec![None; slots];
     if n == 0 || slots == 0 {
         return result;
     }
@@ -94,6 +99,11 @@ pub fn match_prefix(
                 && let Some(p) = present.get_mut(s)
             {
                 *p = true;
+                if i == 0
+                    && let Some(f) = firsts.get_mut(s)
+                {
+                    *f = Some(h.stamp);
+                }
                 if let (Some(d), Some(&l)) = (stamps.get_mut(s), lo.get(s))
                     && (d.is_none() || i + 1 > l)
                 {
@@ -133,7 +143,41 @@ pub fn match_prefix(
     }
     result.depths = lo;
     result.deepest_stamps = stamps;
+    result.first_stamps = firsts;
     result
+}
+
+/// How much of a worker's match is still cached when the request is admitted.
+///
+/// The engine admits a request after those queued before it, and allocates their blocks
+/// first, evicting the least recently freed: `ahead` is those blocks as a share of the
+/// worker's capacity. A matched key survives while its age (a share of the capacity, see
+/// [`Live::age`]) plus `ahead` stays below 1. A chain's stamps only get older with depth,
+/// so the first key is the newest: the ages between the first and the deepest key are
+/// interpolated, and the match is cut where they cross. `first_age` None: the match was
+/// proven by its last key alone (one request wrote it whole), every key as old as it.
+pub fn surviving_depth(
+    depth: usize,
+    first_age: Option<f64>,
+    deepest_age: f64,
+    ahead: f64,
+) -> usize {
+    let room = 1.0 - ahead.max(0.0);
+    let deepest = deepest_age.max(0.0);
+    let first = first_age.map_or(deepest, |a| a.clamp(0.0, deepest));
+    if depth == 0 || !room.is_finite() || deepest < room {
+        return depth;
+    }
+    if first >= room || depth == 1 {
+        return 0;
+    }
+    // Key i's age: first + (deepest - first) * i / (depth - 1); keep those below room.
+    let last = (room - first) / (deepest - first) * (depth - 1) as f64;
+    if last.is_finite() {
+        ((last.floor() as usize) + 1).min(depth)
+    } else {
+        depth
+    }
 }
 
 #[cfg(test)]
@@ -180,6 +224,41 @@ mod tests {
         let l = live(depths.len());
         let b = buckets(&keys, depths, &config, &l);
         match_prefix(&keys, &l, &config, max_probes, &mut |i| b.get(&i).cloned())
+    }
+
+    #[test]
+    fn a_match_survives_the_queue_ahead_only_where_its_blocks_are_young_enough() {
+        // Nothing queued ahead: the whole match, whatever its age below 1.
+        assert_eq!(surviving_depth(100, Some(0.1), 0.9, 0.0), 100);
+        // 0.3 of the capacity queued ahead: blocks older than 0.7 go first.
+        assert_eq!(surviving_depth(100, Some(0.1), 0.6, 0.3), 100);
+        assert_eq!(surviving_depth(100, Some(0.8), 0.9, 0.3), 0);
+        // First key 0.1 old, deepest 0.9, a quarter queued ahead: key i is 0.1 + 0.008 i
+        // old, and keys 0..=81 are younger than 0.75.
+        let cut = surviving_depth(101, Some(0.1), 0.9, 0.25);
+        assert_eq!(cut, 82);
+        // The deeper the queue, the shorter the match, never longer.
+        let mut last = 101;
+        for ahead in [0.0, 0.1, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0, 3.0] {
+            let d = surviving_depth(101, Some(0.1), 0.9, ahead);
+            assert!(d <= last, "{ahead}: {d} > {last}");
+            last = d;
+        }
+        assert_eq!(last, 0);
+        // Proven by its last key alone: the chain is as old as that key.
+        assert_eq!(surviving_depth(50, None, 0.5, 0.4), 50);
+        assert_eq!(surviving_depth(50, None, 0.7, 0.4), 0);
+        // Bad numbers never panic and never lengthen a match.
+        for (f, d, a) in [
+            (Some(f64::NAN), 0.5, 0.2),
+            (Some(0.9), 0.1, 0.5),
+            (None, f64::NAN, 0.1),
+            (None, 0.5, f64::NAN),
+            (None, 0.5, -1.0),
+        ] {
+            assert!(surviving_depth(10, f, d, a) <= 10);
+        }
+        assert_eq!(surviving_depth(0, Some(0.0), 0.0, 0.0), 0);
     }
 
     #[test]
