@@ -42,6 +42,8 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.running_ms, 0.0);
     assert_eq!(c.temperature, 0.0);
     assert_eq!(c.recompute_weight, 1.0);
+    assert!(c.admission_match);
+    assert!(c.recompute_grows_with_load);
     assert!(c.validate().is_ok());
 }
 
@@ -99,6 +101,37 @@ fn the_worked_example_of_the_module_docs() {
     let c = choose(req, &ws, &config(), 0).expect("choice");
     assert_eq!(c.index, 1, "move");
     assert_eq!(c.passed_over(&ws), Some(0));
+}
+
+#[test]
+fn a_recompute_counts_once_more_per_request_in_flight_as_in_the_worked_example() {
+    // The worked example with 3 requests in flight on each worker: B costs
+    // 0.296 + 4 x 0.278 = 1.408 s, so A keeps the request up to 1.39 s queued.
+    let req = request(150);
+    let busy = |matched: usize, queued_s: f64| Candidate {
+        inflight: 3,
+        ..worker(matched, queued_s)
+    };
+    let c = choose(req, &[busy(141, 1.30), busy(2, 0.0)], &config(), 0).expect("choice");
+    assert_eq!(c.index, 0, "{:?}", c.estimates);
+    assert!((c.estimates[1].cost_s - (0.296 + 4.0 * 139.0 * 16.0 / SPEED)).abs() < 1e-9);
+    assert_eq!(pick(req, &[busy(141, 1.45), busy(2, 0.0)], &config(), 0), 1);
+    // The mean over the candidates counts: one idle worker and one with 6 in flight is 3.
+    let uneven = [
+        Candidate {
+            inflight: 6,
+            ..worker(141, 1.30)
+        },
+        worker(2, 0.0),
+    ];
+    assert_eq!(pick(req, &uneven, &config(), 0), 0);
+    // A fixed weight moves it at 0.600 s, as on idle workers.
+    let fixed = ScoringConfig {
+        recompute_grows_with_load: false,
+        ..config()
+    };
+    assert_eq!(pick(req, &[busy(141, 0.55), busy(2, 0.0)], &fixed, 0), 0);
+    assert_eq!(pick(req, &[busy(141, 0.65), busy(2, 0.0)], &fixed, 0), 1);
 }
 
 #[test]

@@ -767,8 +767,10 @@ mod tests {
         assert_eq!(again.target.slot, home, "wait {:?}", again.estimate);
         assert!(again.estimate.wait_s > 0.0);
         r.finished(&store, &again, 1_000_000, false);
-        // Its queue now holds more than the whole prompt's prefill: moving is cheaper.
-        load.route(&store, home, 2_000_000, (full_s * 3.0 * 1e6) as u64);
+        // Its queue now holds six times the prompt's prefill: more than the recompute weighed
+        // for the two requests in flight there (one per worker on average: twice, plus the
+        // request's own time). Moving is cheaper.
+        load.route(&store, home, 2_000_000, (full_s * 6.0 * 1e6) as u64);
         let moved = route(&mut r, &store, &b, 2000, 0);
         assert_ne!(moved.target.slot, home);
         let (name, matched, alt) = moved
