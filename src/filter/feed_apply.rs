@@ -152,9 +152,10 @@ impl FeedState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analysis::analyze;
+    use crate::analysis::{Analysis, analyze};
     use crate::feed::{Feed, FeedWorker, ImageResidency, encode};
     use crate::filter::config::FilterConfig;
+    use crate::filter::router::Decision;
     use crate::state::MemoryStore;
     use crate::state::writer::drain;
 
@@ -186,6 +187,32 @@ mod tests {
         let router = Router::new(FilterConfig::from_json(br#"{"sidecar":{}}"#).expect("config"));
         router.prepare(&store);
         (store, router, FeedState::default())
+    }
+
+    /// What the poller does while the feed is fresh.
+    fn mark_precise(store: &MemoryStore, router: &Router) {
+        update_live(store, router.keys(), 1, |t| {
+            t.precise = true;
+            true
+        });
+    }
+
+    /// Routes `analysis` at t = 1 s, ends it after its prefill and lets the state writer
+    /// apply the decision.
+    fn route_and_record(router: &mut Router, store: &MemoryStore, analysis: &Analysis) -> Decision {
+        let d = router
+            .route_analysis(analysis, store, 1_000_000, 1)
+            .expect("routed");
+        router.finished(store, &d, 1_100_000, true);
+        drain(
+            store,
+            router.keys(),
+            &router.config.state,
+            60_000,
+            1100,
+            100,
+        );
+        d
     }
 
     fn body(text: &str) -> Vec<u8> {
@@ -246,26 +273,11 @@ mod tests {
         state
             .apply(&router, &store, &feed(workers(), vec![]), 1)
             .expect("applies");
-        // The poller marks the state precise while the feed is fresh.
-        update_live(&store, router.keys(), 1, |t| {
-            t.precise = true;
-            true
-        });
+        mark_precise(&store, &router);
         let b = body(&"a long shared system prompt ".repeat(20));
         let analysis = analyze(&b, &router.config.router).expect("analyses");
         let image = analysis.media[0].id.key64();
-        let first = router
-            .route_analysis(&analysis, &store, 1_000_000, 1)
-            .expect("routed");
-        router.finished(&store, &first, 1_100_000, true);
-        drain(
-            &store,
-            router.keys(),
-            &router.config.state,
-            60_000,
-            1100,
-            100,
-        );
+        let first = route_and_record(&mut router, &store, &analysis);
         let slot = first.target.slot as u32;
         // The engine reports it holds the image's blocks: the next request matches fully.
         state
@@ -341,26 +353,12 @@ mod tests {
         state
             .apply(&router, &store, &feed(workers([0, 0]), vec![]), 1)
             .expect("applies");
-        update_live(&store, router.keys(), 1, |t| {
-            t.precise = true;
-            true
-        });
+        mark_precise(&store, &router);
         let b = body(&"a long shared system prompt with many words ".repeat(120));
         let analysis = analyze(&b, &router.config.router).expect("analyses");
         let n = analysis.layout.keys.len();
         assert!(n >= 50, "{n} blocks");
-        let first = router
-            .route_analysis(&analysis, &store, 1_000_000, 1)
-            .expect("routed");
-        router.finished(&store, &first, 1_100_000, true);
-        drain(
-            &store,
-            router.keys(),
-            &router.config.state,
-            60_000,
-            1100,
-            100,
-        );
+        let first = route_and_record(&mut router, &store, &analysis);
         // Its engine stored half its capacity since: the first key is 0.5 old, the
         // deepest (stamped n - 1 earlier, as the engine frees a request tail first) older.
         let mut stored = [0, 0];
