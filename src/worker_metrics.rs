@@ -174,6 +174,12 @@ pub struct PrefillCounters {
 ///
 /// vLLM counts prompt tokens when a request is scheduled and observes its prefill time when
 /// it finishes, so single deltas are noisy; the decayed sums spread that over several scrapes.
+///
+/// The speed stays unknown until the sums hold [`PrefillSpeed::MIN_SECONDS`] of prefill time:
+/// over a few milliseconds, the scheduler's jitter decides the ratio (measured: two idle mock
+/// engines at 5,300 and 12,100 tokens/s), and a worker measured slow by chance would lose every
+/// close choice and get no traffic that could correct it. Unknown, it counts as fast as the
+/// fleet (see `docs/ROUTING.md`).
 #[derive(Debug, Clone, Default)]
 pub struct PrefillSpeed {
     last: Option<PrefillCounters>,
@@ -186,6 +192,8 @@ pub struct PrefillSpeed {
 impl PrefillSpeed {
     /// Half-life of the smoothing, in ms of wall time between scrapes with new prefill time.
     pub const HALF_LIFE_MS: f64 = 5_000.0;
+    /// Prefill time the (decayed) sums must hold before the speed is known, in seconds.
+    pub const MIN_SECONDS: f64 = 0.5;
 
     pub fn new() -> PrefillSpeed {
         PrefillSpeed::default()
@@ -213,9 +221,10 @@ impl PrefillSpeed {
         self.since_data_ms = 0.0;
     }
 
-    /// Tokens per second, or `None` before two scrapes showed prefill time.
+    /// Tokens per second, or `None` until the scrapes showed [`Self::MIN_SECONDS`] of
+    /// prefill time.
     pub fn tokens_per_sec(&self) -> Option<f64> {
-        (self.seconds > 0.0)
+        (self.seconds >= Self::MIN_SECONDS)
             .then(|| self.tokens / self.seconds)
             .filter(|v| v.is_finite())
     }
@@ -394,14 +403,18 @@ vllm:prefix_cache_hits_total{engine="0",model_name="x"} 1.2e4
         assert_eq!(p.tokens_per_sec(), None);
         p.observe(counters(1000.0, 0.0, 1.0), 0.0);
         assert_eq!(p.tokens_per_sec(), None, "one scrape has no delta");
-        // 4000 prompt tokens of which 1000 hit the cache, in 0.5 s of prefill.
-        p.observe(counters(5000.0, 1000.0, 1.5), 100.0);
-        assert_eq!(p.tokens_per_sec(), Some(6000.0));
+        // 12 tokens in 2 ms of prefill: too little to tell a speed from the scheduler's jitter.
+        p.observe(counters(1012.0, 0.0, 1.002), 100.0);
+        assert_eq!(p.tokens_per_sec(), None);
+        // 4000 more prompt tokens of which 1000 hit the cache, in 0.5 s more.
+        p.observe(counters(5012.0, 1000.0, 1.502), 100.0);
+        let v = p.tokens_per_sec().expect("known after 0.5 s of prefill");
+        assert!((v - 6000.0).abs() < 1e-6, "{v}");
         // Idle scrapes (no new prefill time) keep the estimate.
         for _ in 0..100 {
-            p.observe(counters(5000.0, 1000.0, 1.5), 100.0);
+            p.observe(counters(5012.0, 1000.0, 1.502), 100.0);
         }
-        assert_eq!(p.tokens_per_sec(), Some(6000.0));
+        assert_eq!(p.tokens_per_sec(), Some(v));
     }
 
     #[test]
