@@ -128,8 +128,10 @@ def mean(xs):
 
 def summarize(cell_runs):
     s = {}
-    for variant in ("plain", "filter"):
+    for variant in ("plain", "floor", "filter"):
         runs = [r for r in cell_runs if r["envoy"] == variant]
+        if not runs:
+            continue
         s[variant] = {
             "rps": mean([r["rps"] for r in runs]),
             "rps_min": min(r["rps"] for r in runs), "rps_max": max(r["rps"] for r in runs),
@@ -145,9 +147,34 @@ def summarize(cell_runs):
     s["ratio"] = f["rps"] / p["rps"] if p["rps"] else float("nan")
     s["added_p50_ms"] = f["p50_ms"] - p["p50_ms"]
     s["added_cpu_us"] = f["cpu_us"] - p["cpu_us"]
+    if "floor" in s:
+        fl = s["floor"]
+        s["floor_ratio"] = fl["rps"] / p["rps"] if p["rps"] else float("nan")
+        s["floor_added_p50_ms"] = fl["p50_ms"] - p["p50_ms"]
+        s["floor_added_cpu_us"] = fl["cpu_us"] - p["cpu_us"]
     # Spread: the widest relative range of req/s over one variant's repetitions.
-    s["spread"] = max((v["rps_max"] - v["rps_min"]) / v["rps"] if v["rps"] else 0.0 for v in (p, f))
+    s["spread"] = max((v["rps_max"] - v["rps_min"]) / v["rps"] if v["rps"] else 0.0
+                      for k, v in s.items() if k in ("plain", "floor", "filter"))
     return s
+
+
+def floor_table(cells, body_files):
+    """The filter against the floor filter (benches/proxy/floor) and plain Envoy, same runs."""
+    head = ("| body | conns | plain req/s | floor req/s | filter req/s | floor / plain | filter / plain "
+            "| added p50, floor / filter | added Envoy CPU per request, floor / filter |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for c in cells:
+        s = c["summary"]
+        if "floor" not in s:
+            continue
+        b = body_files[c["body"]]
+        label = f"{BODY_LABELS.get(c['body'], c['body'])} ({b['bytes'] / 1024:,.0f} KiB)"
+        lines.append(
+            f"| {label} | {c['connections']} | {s['plain']['rps']:,.0f} | {s['floor']['rps']:,.0f} "
+            f"| {s['filter']['rps']:,.0f} | {s['floor_ratio']:.2f} | {s['ratio']:.2f} "
+            f"| {s['floor_added_p50_ms']:+.2f} / {s['added_p50_ms']:+.2f} ms "
+            f"| {s['floor_added_cpu_us']:.0f} / {s['added_cpu_us']:.0f} µs |")
+    return "\n".join(lines)
 
 
 def table(cells, body_files):
@@ -191,6 +218,9 @@ def main(argv):
     p.add_argument("--concurrency", type=int, default=2, help="Envoy --concurrency (default 2)")
     p.add_argument("--workers", type=int, default=4, help="synthetic workers (loopback addresses of the one nginx)")
     p.add_argument("--router-config", help="JSON file merged into the filter's configuration")
+    p.add_argument("--floor", metavar="WASM",
+                   help="also run a third Envoy with this filter, interleaved with the other two: "
+                        "the floor filter of benches/proxy/floor (scripts/bench-proxy --floor builds it)")
     p.add_argument("--upstream", choices=["override-host", "original-dst"], default="override-host")
     p.add_argument("--wrk-threads", type=int, default=1)
     p.add_argument("--nginx-workers", type=int, default=1)
@@ -229,7 +259,13 @@ def main(argv):
                             router_config, a.upstream)
         filtered = envoy.Envoy(procs, out, "filter", a.envoy, workers, a.wasm, a.concurrency,
                                router_config, a.upstream)
+        floor = None
+        if a.floor:
+            floor = envoy.Envoy(procs, out, "floor", a.envoy, workers, a.floor, a.concurrency,
+                                router_config, a.upstream)
+            check_paths(plain, floor, body_files)
         check_paths(plain, filtered, body_files)
+        variants = [e for e in (plain, floor, filtered) if e is not None]
         for line in machine.header_lines(info):
             print(f"bench-proxy: {line}")
         for name, b in body_files.items():
@@ -242,7 +278,7 @@ def main(argv):
             for c in conns:
                 runs = []
                 for rep in range(a.repeat):
-                    for e in (plain, filtered):
+                    for e in variants:
                         run = one_run(e, nginx, script, body_files[name], c, a.seconds, a.warmup,
                                       a.wrk_threads)
                         run["repetition"] = rep
@@ -266,10 +302,13 @@ def main(argv):
                 print(f"  profiled {c['body']} c={c['connections']}", flush=True)
         info["loadavg_end"] = machine.loadavg()
         md = table(cells, body_files)
+        if floor is not None:
+            md += "\n\n" + floor_table(cells, body_files)
         if profile_rows:
             md += "\n\n" + cpu_profile.table(profile_rows)
         settings = {k: getattr(a, k) for k in ("seconds", "warmup", "repeat", "concurrency", "workers",
-                                                "upstream", "wrk_threads", "nginx_workers", "router_config", "profile")}
+                                                "upstream", "wrk_threads", "nginx_workers", "router_config", "profile",
+                                                "floor")}
         result = {"machine": info, "settings": settings, "cells": cells, "profile": profile_rows,
                   "bodies": {k: {kk: str(vv) for kk, vv in v.items()} for k, v in body_files.items()}}
         (out / "results.json").write_text(json.dumps(result, indent=1))
