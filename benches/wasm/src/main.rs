@@ -29,7 +29,8 @@ use mmrouter::analysis::{Analyzer, analyze};
 use mmrouter::config::RouterConfig;
 use mmrouter::filter::config::FilterConfig;
 use mmrouter::filter::router::Router;
-use mmrouter::filter::shared_state::MemoryStore;
+use mmrouter::state::writer::{drain, sync_members};
+use mmrouter::state::{MemoryStore, SharedStore};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::xxh3_128;
@@ -139,12 +140,40 @@ fn main() {
 
         let mut r = router();
         let store = MemoryStore::default();
-        let mut clock = 1_000u64;
+        r.prepare(&store);
+        // What the state writer does with the configured workers on its first tick.
+        let desired: Vec<(String, String)> = r
+            .config
+            .workers
+            .iter()
+            .map(|w| (w.name.clone(), w.address.clone()))
+            .collect();
+        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        // The index holds the request: routed once, and the state writer applied it.
+        let mut clock = 1_000_000u64;
+        if r.route(&case.body, &store, clock, 1).0.is_none() {
+            panic!("{}: not routed", case.name);
+        }
+        let half_life = r.config.router.scoring.footprint_half_life_ms;
+        drain(
+            &store,
+            r.keys(),
+            &r.config.state,
+            half_life,
+            clock / 1000,
+            100,
+        );
         report(&o, case.name, "route", n, || {
-            clock += 1;
+            clock += 1_000;
             let (d, _) = r.route(black_box(&case.body), &store, clock, clock);
+            let Some(d) = d else {
+                panic!("not routed");
+            };
             assert!(d.fallback.is_none());
-            r.finished(&store, d.worker, d.prefill_blocks);
+            r.finished(&store, &d, clock + 500, true);
+            // The decision's record (no keys: the worker holds the prompt with fresh stamps)
+            // is the state writer's work, off the request path.
+            let _ = store.dequeue(&r.keys().decisions());
         });
 
         if !case.images.is_empty() {
