@@ -448,6 +448,7 @@ impl RootContext for FilterRoot {
             decision: None,
             prefill_seen: false,
             answered: false,
+            answered_at: None,
             finished: false,
         }))
     }
@@ -475,6 +476,8 @@ struct FilterStream {
     prefill_seen: bool,
     /// The worker answered 2xx (its blocks are stored and freed when the stream ends).
     answered: bool,
+    /// When a complete (non-streamed) answer's headers came, for the load table at the end.
+    answered_at: Option<u64>,
     finished: bool,
 }
 
@@ -1000,15 +1003,10 @@ impl HttpContext for FilterStream {
                 .flatten()
                 .is_some_and(|v| v.starts_with('2'));
         // A complete (non-streamed) answer comes after decoding; if it comes before the
-        // estimated end of prefill, prefill was faster than estimated.
-        if !decision.stream
-            && !self.prefill_seen
-            && let Some((_, end)) = decision.prefill_window
-        {
-            let now = now_us();
-            if now < end {
-                s.router.prefill_done(&s.store, decision, now);
-            }
+        // estimated end of prefill, prefill was faster than estimated: the load table learns
+        // it when the stream ends, in the same write as the release (on_log).
+        if !decision.stream && !self.prefill_seen && decision.prefill_window.is_some() {
+            self.answered_at = Some(now_us());
             self.prefill_seen = true;
         }
         if s.router.config.response_headers {
@@ -1074,8 +1072,12 @@ impl HttpContext for FilterStream {
         };
         if let Ok(s) = shared.try_borrow() {
             let now = now_us();
-            s.router
-                .finished(&s.store, decision, now, self.prefill_seen);
+            match self.answered_at {
+                Some(at) => s.router.finished_answered(&s.store, decision, now, at),
+                None => s
+                    .router
+                    .finished(&s.store, decision, now, self.prefill_seen),
+            };
             if self.answered && self.prefill_seen {
                 s.router.released(&s.store, decision, now);
             }

@@ -538,7 +538,26 @@ impl Router {
         prefill_seen: bool,
     ) -> bool {
         let unfinished = if prefill_seen { None } else { d.prefill_window };
-        self.load.finish(store, d.target.slot, now_us, unfinished)
+        self.load
+            .finish(store, d.target.slot, now_us, unfinished, None)
+    }
+
+    /// A complete (non-streamed) answer came at `answered_us`, before the estimated end of
+    /// the request's prefill: prefill was faster than estimated, and the work queued behind it
+    /// moves up ([`Router::prefill_done`]). Applied when the stream ends, with its release, in
+    /// one write: a complete answer comes when the request is over anyway.
+    pub fn finished_answered(
+        &self,
+        store: &dyn SharedStore,
+        d: &Decision,
+        now_us: u64,
+        answered_us: u64,
+    ) -> bool {
+        let answered = d
+            .prefill_window
+            .and_then(|(_, end)| (answered_us < end).then_some((answered_us, end)));
+        self.load
+            .finish(store, d.target.slot, now_us, None, answered)
     }
 
     /// The request ended after its worker prefilled it: the engine frees its blocks now, and
