@@ -277,18 +277,16 @@ def test_envoy_hot_restart_answers_every_request_and_routing_state_is_rebuilt(
         assert_none_failed(stream)
         hits = sum(a.cached > 0 for a in after) / len(after)
         assert hits > 0.5, f"only {hits:.0%} cache hits after the hot restart"
-        if mode == "approximate":
-            # Open (docs/FAULTS.md): the new Envoy keeps routing some already-seen bodies
-            # without a prediction (18-42 of ~100 in these runs, ~3 per body), sometimes to the
-            # end of the test, while the engines still hit (82-93%). Only the hit rate is
-            # asserted.
-            return
-        # Precise: the sidecar's feed tells the new Envoy at once; every body is unpredicted
-        # about once. Generous bound: within 5 s of the parent's exit, and hits after.
+        # Each already-seen body is routed once without a prediction (the first decision of
+        # the new Envoy rebuilds its state; precise mode gets the rest from the sidecar's
+        # feed). Generous bounds: at most twice per body, within 5 s of the parent's exit,
+        # and predicted hits after.
+        assert len(forgotten) <= 2 * len(seen_before), \
+            f"{len(forgotten)} answers of {len(seen_before)} seen bodies without a prediction"
         assert rebuilt <= parent_gone + 5, \
             f"routing predicted nothing for {rebuilt:.1f} s, parent gone at {parent_gone:.1f} s"
         assert len(tail) >= 3 and all(a.matched > 0 and a.cached > 0 for a in tail), \
             "cache-affine routing not back after the hot restart"
-        assert tail[-1].mode == "precise"
+        assert tail[-1].mode == mode
     finally:
         stack.close()
