@@ -113,6 +113,9 @@ impl Dispatcher for HostDispatcher {
     }
 }
 
+/// The most body bytes one `get_buffer` copies into the VM (see `feed_new_bytes`).
+const READ_WINDOW: usize = 256 * 1024;
+
 fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
@@ -510,22 +513,29 @@ impl Context for FilterStream {
 
 impl FilterStream {
     /// Feeds the body bytes Envoy has buffered since the last call to the analysis (one copy
-    /// of each byte into the VM, scanned and hashed as it comes, never kept).
+    /// of each byte into the VM, scanned and hashed as it comes, never kept), at most
+    /// [`READ_WINDOW`] bytes per copy: a fast client's whole body, buffered by Envoy before the
+    /// first call, would otherwise grow the VM's memory by its size for good.
     fn feed_new_bytes(&mut self) {
-        let (Some(analyzer), true) = (self.analyzer.as_mut(), self.body_size > self.fed) else {
+        let Some(analyzer) = self.analyzer.as_mut() else {
             return;
         };
-        let piece = hostcalls::get_buffer(
-            BufferType::HttpRequestBody,
-            self.fed,
-            self.body_size - self.fed,
-        )
-        .ok()
-        .flatten()
-        .unwrap_or_default();
-        self.fed = self.body_size;
-        // An error is kept by the analyzer and reported at finish.
-        let _ = analyzer.feed(&piece);
+        while self.body_size > self.fed {
+            let n = (self.body_size - self.fed).min(READ_WINDOW);
+            let piece = hostcalls::get_buffer(BufferType::HttpRequestBody, self.fed, n)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            if piece.is_empty() {
+                // Nothing readable where Envoy said there were bytes: the analysis ends with
+                // what it has (it reports a truncated body at finish).
+                self.fed = self.body_size;
+                break;
+            }
+            self.fed += piece.len();
+            // An error is kept by the analyzer and reported at finish.
+            let _ = analyzer.feed(&piece);
+        }
     }
 
     /// The body is complete (or already over the limit: a chunked body without
