@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from stack import ENVOY, MOCK
+from stack import ENVOY, MOCK, start_mock
 
 # vLLM recomputes the last block of a fully cached prompt, and the router counts full blocks:
 # a prediction may exceed the engine's cached tokens by this many blocks and still be right.
@@ -163,37 +163,6 @@ def first(pred):
 
 
 # --- workers -----------------------------------------------------------------------------------
-
-def start_mock(name, port, log_path, args=(), events=None):
-    """Starts a mock worker on `port` (0: any); `events` is (event port, replay port) to publish
-    KV events on (0: any). Returns (process, address, (event endpoint, replay endpoint))."""
-    cmd = [str(MOCK), "--port", str(port), "--name", name, "--time-scale", "0"]
-    if events is not None:
-        cmd += ["--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://*:{events[0]}", "replay_endpoint": f"tcp://*:{events[1]}",
-            "topic": f"kv@{name}"})]
-    cmd += list(args)
-    log = open(log_path, "a+")
-    start = log.tell()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        log.seek(start)
-        text = log.read()
-        addr = re.search(r"listening on ([0-9.]+:\d+)", text)
-        ev = re.search(r"kv-events on (tcp://\S+) replay (tcp://\S+)", text)
-        if addr and (events is None or ev):
-            log.close()
-            return p, addr.group(1), (ev.group(1), ev.group(2)) if ev else None
-        if p.poll() is not None:
-            log.close()
-            raise RuntimeError(f"mock worker {name} exited ({p.returncode}): {text[-500:]}")
-        time.sleep(0.02)
-    p.kill()
-    log.close()
-    raise RuntimeError(f"mock worker {name} did not start")
-
 
 def _port(endpoint):
     return int(endpoint.rsplit(":", 1)[1])

@@ -7,7 +7,6 @@ MMROUTER_SIDECAR_BIN (the mmrouter-sidecar binary).
 """
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -16,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import render  # noqa: F401  (stack.py puts envoy/ on the path)
-from stack import ENVOY, MOCK, ROOT, TARGET, WASM, free_port
+from stack import ENVOY, MOCK, ROOT, TARGET, WASM, free_port, start_mock
 
 SIDECAR = Path(os.environ.get("MMROUTER_SIDECAR_BIN", TARGET / "debug/mmrouter-sidecar"))
 
@@ -74,28 +73,11 @@ class PreciseStack:
         return str(path)
 
     def _start_worker(self, name, args):
-        log = open(self.dir / f"{name}.log", "w+")
-        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                             "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0",
-                             "topic": f"kv@{name}"})
-        p = subprocess.Popen([str(MOCK), "--port", "0", "--name", name, "--time-scale", "0",
-                              "--kv-events-config", events, *args],
-                             stdout=subprocess.DEVNULL, stderr=log)
+        p, addr, (events, replay) = start_mock(name, 0, self.dir / f"{name}.log", args,
+                                               events=(0, 0))
         self.procs.append(p)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            log.seek(0)
-            text = log.read()
-            ev = re.search(r"kv-events on (tcp://\S+) replay (tcp://\S+)", text)
-            addr = re.search(r"listening on ([0-9.]+:\d+)", text)
-            if ev and addr:
-                line = f"{name} {addr.group(1)} events={ev.group(1)} replay={ev.group(2)}"
-                self.workers[name] = (addr.group(1), line, p)
-                return
-            if p.poll() is not None:
-                raise RuntimeError(f"mock worker {name} exited")
-            time.sleep(0.05)
-        raise RuntimeError(f"mock worker {name} did not start")
+        line = f"{name} {addr} events={events} replay={replay}"
+        self.workers[name] = (addr, line, p)
 
     def set_members(self, names):
         """Rewrites the membership file (atomically) to exactly `names`."""

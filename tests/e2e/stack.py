@@ -34,6 +34,40 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_mock(name, port, log_path, args=(), events=None, timeout=30):
+    """Starts a mock worker on `port` (0: any); `events` is (event port, replay port) to publish
+    KV events on (0: any). Returns (process, address, (event endpoint, replay endpoint))."""
+    cmd = [str(MOCK), "--port", str(port), "--name", name, "--time-scale", "0"]
+    if events is not None:
+        cmd += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{events[0]}", "replay_endpoint": f"tcp://*:{events[1]}",
+            "topic": f"kv@{name}"})]
+    cmd += list(args)
+    log = open(log_path, "a+")
+    start = log.tell()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        log.seek(start)
+        text = log.read()
+        addr = re.search(r"listening on ([0-9.]+:\d+)", text)
+        ev = re.search(r"kv-events on (tcp://\S+) replay (tcp://\S+)", text)
+        if addr and (events is None or ev):
+            log.close()
+            return p, addr.group(1), (ev.group(1), ev.group(2)) if ev else None
+        if p.poll() is not None:
+            log.close()
+            raise RuntimeError(f"mock worker {name} exited ({p.returncode}): {text[-500:]}")
+        time.sleep(0.02)
+    p.kill()
+    log.seek(start)
+    text = log.read()
+    log.close()
+    raise RuntimeError(f"mock worker {name} did not start within {timeout} s; its log: "
+                       f"{text[-500:]!r}")
+
+
 class Stack:
     def __init__(self, workers=4, plugin_config=None, worker_args=(), buffer_limit=None,
                  fetch_dns_resolver=None):
@@ -77,22 +111,10 @@ class Stack:
             raise
 
     def _start_worker(self, name, args):
-        log = open(Path(self.tmp.name) / f"{name}.log", "w+")
-        p = subprocess.Popen([str(MOCK), "--port", "0", "--name", name, "--time-scale", "0", *args],
-                             stdout=subprocess.DEVNULL, stderr=log)
+        p, addr, _ = start_mock(name, 0, Path(self.tmp.name) / f"{name}.log", args)
         self.procs.append(p)
         self.worker_procs[name] = p
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            log.seek(0)
-            m = re.search(r"listening on ([0-9.]+:\d+)", log.read())
-            if m:
-                self.workers.append((name, m.group(1)))
-                return
-            if p.poll() is not None:
-                raise RuntimeError(f"mock worker {name} exited: {p.returncode}")
-            time.sleep(0.05)
-        raise RuntimeError(f"mock worker {name} did not start")
+        self.workers.append((name, addr))
 
     def _wait_ready(self):
         deadline = time.time() + 60
