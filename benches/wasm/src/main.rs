@@ -28,8 +28,9 @@ use base64::Engine as _;
 use mmrouter::analysis::{Analyzer, analyze};
 use mmrouter::config::RouterConfig;
 use mmrouter::filter::config::FilterConfig;
+use mmrouter::filter::poller::Poller;
 use mmrouter::filter::router::Router;
-use mmrouter::state::writer::{drain, sync_members};
+use mmrouter::state::writer::drain;
 use mmrouter::state::{MemoryStore, SharedStore};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -140,15 +141,8 @@ fn main() {
 
         let mut r = router();
         let store = MemoryStore::default();
-        r.prepare(&store);
-        // What the state writer does with the configured workers on its first tick.
-        let desired: Vec<(String, String)> = r
-            .config
-            .workers
-            .iter()
-            .map(|w| (w.name.clone(), w.address.clone()))
-            .collect();
-        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        // What the filter does with its configuration: the shared state and the workers.
+        Poller::configure(&r, &store, 0);
         // The index holds the request: routed once, and the state writer applied it.
         let mut clock = 1_000_000u64;
         if r.route(&case.body, &store, clock, 1).0.is_none() {
