@@ -42,6 +42,13 @@ pub struct Load {
 }
 
 impl Load {
+    /// A prefill estimated to end at `expected_us` ended at `at_us`: what queued behind it
+    /// moves by the difference.
+    fn prefill_ended(&mut self, at_us: u64, expected_us: u64) {
+        let behind = self.queue_until_us.saturating_sub(expected_us);
+        self.queue_until_us = at_us.saturating_add(behind);
+    }
+
     /// Prefill time still queued ahead of a request arriving at `now_us`.
     pub fn queued_us(&self, now_us: u64) -> u64 {
         self.queue_until_us.saturating_sub(now_us)
@@ -183,10 +190,7 @@ impl LoadTable {
         now_us: u64,
         expected_us: u64,
     ) -> bool {
-        self.update(store, slot, |l| {
-            let behind = l.queue_until_us.saturating_sub(expected_us);
-            l.queue_until_us = now_us.saturating_add(behind);
-        })
+        self.update(store, slot, |l| l.prefill_ended(now_us, expected_us))
     }
 
     /// The request finished (completed, reset or failed). `unfinished_prefill` is its
@@ -208,8 +212,7 @@ impl LoadTable {
     ) -> bool {
         self.update(store, slot, |l| {
             if let Some((at_us, expected_us)) = answered {
-                let behind = l.queue_until_us.saturating_sub(expected_us);
-                l.queue_until_us = at_us.saturating_add(behind);
+                l.prefill_ended(at_us, expected_us);
             }
             l.inflight = l.inflight.saturating_sub(1);
             if let Some((start, end)) = unfinished_prefill
