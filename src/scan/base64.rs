@@ -122,8 +122,11 @@ impl Base64Stream {
         let mut at = 0;
         while let Some(rest) = input.get(at..).filter(|r| !r.is_empty()) {
             // Scalar until the held quad is complete, then the fast path over whole quads that
-            // are certainly not the last ones (at least one byte stays behind for `held`).
-            if self.dead || self.held_len != 4 || rest.len() < 8 {
+            // are certainly not the last ones (at least one byte stays behind for `held`). The
+            // held quad is decoded only when a symbol follows it: white space after the last
+            // quad (a payload padded with spaces or line breaks) leaves it the last one.
+            let next_is_space = rest.first().is_some_and(u8::is_ascii_whitespace);
+            if self.dead || self.held_len != 4 || rest.len() < 8 || next_is_space {
                 let Some(&b) = rest.first() else {
                     break;
                 };
@@ -424,6 +427,25 @@ mod tests {
         match std::str::from_utf8(payload) {
             Ok(s) => decode_base64(s),
             Err(_) => unreachable!("payloads are ASCII here"),
+        }
+    }
+
+    #[test]
+    fn white_space_after_the_last_quad_leaves_it_the_last_one() {
+        // Found by the `base64` fuzzer: with the last quad held and eight or more bytes of
+        // white space after it in one piece, the quad was decoded as if a symbol followed,
+        // and the payload ended with no symbols held ("Invalid input length: 8").
+        for payload in [
+            &b"AXCAIAPN           "[..],
+            b"AXCAIAPN\r\n\r\n\r\n\r\n",
+            b"AXCA IAPN        \n",
+            b"AXCAIAPNAXCA\n\n\n\n\n\n\n\n\nAXCAIAPN        ",
+        ] {
+            let want = reference(payload);
+            assert!(want.is_ok(), "{:?}", String::from_utf8_lossy(payload));
+            for cut in 0..=payload.len() {
+                assert_eq!(streamed(payload, &[cut]), want, "cut at {cut}");
+            }
         }
     }
 
