@@ -122,7 +122,7 @@ impl FeedState {
                         l.clock = l.clock.wrapping_add(blocks);
                     }
                     if w.cleared_total > cleared {
-                        l.clock = l.clock.wrapping_add(u64::from(l.capacity) + 1);
+                        l.forget_cache(now_ms);
                     }
                 }
                 next_totals.insert(w.name.clone(), (w.stored_total, w.cleared_total));
@@ -243,11 +243,17 @@ mod tests {
         let live = read_live(&store, router.keys());
         assert_eq!(live.slots[0].clock, start + 80);
         assert_eq!(live.slots[0].capacity, 2000);
-        // An AllBlocksCleared jumps past the capacity.
+        // An AllBlocksCleared jumps past the capacity and forgets the worker's footprint.
+        update_live(&store, router.keys(), 2, |t| {
+            t.slots[0].add_footprint(50.0, 2, 60_000);
+            true
+        });
         state
             .apply(&router, &store, &feed(vec![worker("a", 40, 1)], vec![]), 3)
             .expect("applies");
-        assert!(read_live(&store, router.keys()).slots[0].clock > start + 80 + 1000);
+        let live = read_live(&store, router.keys());
+        assert!(live.slots[0].clock > start + 80 + 1000);
+        assert_eq!(live.slots[0].footprint, 0.0);
         // A new sidecar epoch starts its totals again: no jump from the reset counters.
         let before = read_live(&store, router.keys()).slots[0].clock;
         let mut restarted = Feed {

@@ -180,6 +180,15 @@ impl Live {
         self.footprint_ms = now_ms;
     }
 
+    /// The worker's cache was emptied (its engine restarted, or the event stream cleared it):
+    /// every block it held ages past its capacity, and the new content the router put there
+    /// before no longer counts against it, so new content flows to it again.
+    pub fn forget_cache(&mut self, now_ms: u64) {
+        self.clock = self.clock.wrapping_add(u64::from(self.capacity) + 1);
+        self.footprint = 0.0;
+        self.footprint_ms = self.footprint_ms.max(now_ms);
+    }
+
     /// The engine's metrics as [`WorkerMetrics`], when the slot has fresh ones.
     pub fn metrics(&self) -> Option<WorkerMetrics> {
         self.has_metrics().then(|| WorkerMetrics {

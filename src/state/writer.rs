@@ -327,7 +327,7 @@ pub fn record_poll(
                         l.prefill_seconds_total >= 0.0 && seconds < l.prefill_seconds_total;
                     if restarted {
                         if l.flags & flag::EVENTS == 0 {
-                            l.clock = l.clock.wrapping_add(u64::from(l.capacity) + 1);
+                            l.forget_cache(now_ms);
                         }
                         l.tokens_total = tokens;
                         l.prefill_seconds_total = seconds;
@@ -563,9 +563,13 @@ mod tests {
             (tps - 2000.0).abs() < 1.0,
             "200 uncached tokens in 0.1 s, got {tps}"
         );
-        // A restarted engine starts its counters over: its cache is gone.
+        let before = read_live(&store, &keys).slots[0].footprint;
+        assert!(before > 9.0, "the chain's 10 new blocks, got {before}");
+        // A restarted engine starts its counters over: its cache is gone, and with it the new
+        // content the router put there (so new content goes there again).
         assert!(poll(scrape(300.0, 0.0, 0.05), 400));
         assert_eq!(depths(&store, &keys, &config, &chain), vec![0]);
+        assert_eq!(read_live(&store, &keys).slots[0].footprint, 0.0);
     }
 
     #[test]

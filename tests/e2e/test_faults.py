@@ -12,6 +12,7 @@ decoded tokens), so a crash catches requests in flight.
 import json
 import os
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -36,16 +37,24 @@ def bodies():
 
 
 class Pool:
-    """The bodies a Stream picks from: the first `n` (grown by a test with widen())."""
+    """The bodies a Stream picks from: the first IMAGES, and after widen() one more new body
+    every `every` seconds up to 2 * IMAGES. New content arrives over several seconds, not in
+    one burst: in a burst it could all be placed before routing has seen a restarted worker
+    healthy again (a poll every 250 ms; slower on a loaded 2-core CI machine), and then cache
+    affinity rightly keeps every request on the survivors."""
 
-    def __init__(self, n=IMAGES):
-        self.n = n
+    def __init__(self, every=0.5):
+        self.every = every
+        self.widened = None
 
     def widen(self):
-        self.n = 2 * IMAGES
+        self.widened = time.monotonic()
 
     def __call__(self, rng, _):
-        return rng.randrange(self.n)
+        n = IMAGES
+        if self.widened is not None:
+            n += min(IMAGES, 1 + int((time.monotonic() - self.widened) / self.every))
+        return rng.randrange(n)
 
 
 @pytest.fixture
@@ -91,6 +100,24 @@ def assert_none_failed(stream):
                             f"{a.error} at +{a.start - stream.t0:.2f}s" for a in failed[:5]))
 
 
+def metrics_status(stack, name):
+    """The HTTP status of worker `name`'s /metrics asked directly, or why there was none."""
+    address = (dict(stack.workers)[name] if hasattr(stack, "worker_procs")
+               else stack.workers[name][0])
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as r:
+            return r.status
+    except Exception as e:  # noqa: BLE001 (a diagnostic: any failure is the answer)
+        return repr(e)
+
+
+def health_lines(stack, name):
+    """The filter's log lines on worker `name`'s health (it logs each change)."""
+    log = stack.envoy_log.read_text() if stack.envoy_log.exists() else ""
+    return [line[-160:] for line in log.splitlines()
+            if f"worker {name} is" in line][-6:]
+
+
 def old_cache_predictions(answers, victim, since):
     """Requests routed to `victim` after `since` with a predicted cache hit on a body that the
     victim had not been sent since then: a prediction that can only come from the cache of its
@@ -134,7 +161,10 @@ def test_a_crashed_worker_loses_no_request_and_comes_back_on_its_port_with_an_em
                 raise AssertionError(
                     f"{e}: of {len(since)} answers since, {victim} was chosen by the filter for "
                     f"{sum(a.routed == victim for a in since)} (served elsewhere: Envoy's outlier "
-                    f"detection still ejecting it?); modes {Counter(a.mode for a in since)}"
+                    f"detection still ejecting it?); modes {Counter(a.mode for a in since)}; "
+                    f"bodies since {sorted(Counter(a.body for a in since).items())}; "
+                    f"{victim}'s /metrics now: {metrics_status(stack, victim)}; the filter's "
+                    f"health lines on it: {health_lines(stack, victim)}"
                 ) from None
             hits_again = stream.wait_for(
                 first(lambda a: a.worker == victim and a.routed == victim
