@@ -84,6 +84,9 @@ pub struct Layout {
     /// turn's prompt of the conversation this request continues. A worker that holds them
     /// holds that conversation.
     pub continued_blocks: usize,
+    /// Full blocks of the leading `system` / `developer` messages (0 when the prompt does not
+    /// start with one): the preamble that the conversations of one application share.
+    pub preamble_blocks: usize,
     /// One chained key per full block.
     pub keys: Vec<u64>,
     /// Media overlaps, sorted by block.
@@ -118,10 +121,14 @@ pub fn layout(request: &Prompt, media: &[PlacedMedia], block_size: usize) -> Lay
     let mut tokens: Vec<u32> = Vec::with_capacity(256);
     let mut spans: Vec<Span> = Vec::new();
     let mut continued_tokens = 0usize;
+    let mut preamble_tokens = None;
     for message in &request.messages {
         let chat = request.api == ApiKind::Chat;
         if message.role == "assistant" {
             continued_tokens = tokens.len();
+        }
+        if preamble_tokens.is_none() && !matches!(message.role.as_str(), "system" | "developer") {
+            preamble_tokens = Some(tokens.len());
         }
         if chat {
             tokens.push(IM_START);
@@ -208,6 +215,7 @@ pub fn layout(request: &Prompt, media: &[PlacedMedia], block_size: usize) -> Lay
         block_size,
         prompt_tokens: tokens.len(),
         continued_blocks: continued_tokens / block_size,
+        preamble_blocks: preamble_tokens.unwrap_or(tokens.len()) / block_size,
         keys,
         media: overlaps,
     }
@@ -405,6 +413,32 @@ mod tests {
         assert!(ab2.continued_blocks <= ab.keys.len());
         // Same bytes under the same positions: identical layouts.
         assert_eq!(lay(&body2, &placed(&[1, 2], 64), 16), ab);
+    }
+
+    #[test]
+    fn the_preamble_is_the_leading_system_messages() {
+        let words = "you are a careful assistant who answers briefly ".repeat(12);
+        let body = |system: &str, user: &str| {
+            format!(r#"{{"model":"m","messages":[{system}{{"role":"user","content":"{user}"}}]}}"#)
+        };
+        let with = |role: &str| format!(r#"{{"role":"{role}","content":"{words}"}},"#);
+        let plain = lay(&body("", "hello there"), &[], 16);
+        assert_eq!(plain.preamble_blocks, 0, "no system message");
+        let a = lay(&body(&with("system"), "hello there"), &[], 16);
+        let b = lay(&body(&with("system"), "something else entirely"), &[], 16);
+        // The system message's tokens: its role and text between the chat markers.
+        let system_tokens = 3 + tokens(&words).len() + 2;
+        assert_eq!(a.preamble_blocks, system_tokens / 16);
+        assert!(a.preamble_blocks >= 3);
+        // Two conversations of one application share the preamble's blocks.
+        let p = a.preamble_blocks;
+        assert_eq!(a.keys[..p], b.keys[..p]);
+        let two = lay(
+            &body(&format!("{}{}", with("system"), with("developer")), "hi"),
+            &[],
+            16,
+        );
+        assert_eq!(two.preamble_blocks, 2 * system_tokens / 16);
     }
 
     #[test]

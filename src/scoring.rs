@@ -74,6 +74,20 @@
 //! B. With 3 requests in flight per worker the recompute counts 4 times: B costs 0.296 + 4 ×
 //! 0.278 = 1.408 s, and the request moves only once A has more than 1.39 s queued.
 //!
+//! ## Homes
+//! Under cache pressure (a worker's cache holds a few requests) a request finds its system
+//! prompt cached only where the requests just before it were of its group. The cost above is
+//! per request: once the queue ahead will evict a shared prompt anyway, nothing in it keeps a
+//! group together, and every group spreads over every worker. With `home_hold`, each group of
+//! requests that share a preamble (the leading system messages) has a home worker
+//! ([`crate::state::homes`]: assigned at first sight where the least traffic is homed), and a
+//! request goes home instead of to its lowest-cost worker when
+//! - that worker holds nothing of the request beyond the preamble that the home does not
+//!   hold too (a follow-up stays with its history, a repeated image with its blocks), and
+//! - the home is not overloaded: its requests in flight, this one included, are at most
+//!   `ceil((1 + home_load_slack) × mean)` over the candidates (the bound of consistent hashing
+//!   with bounded loads); past it, the request goes where the cost says.
+//!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
 //! best are ties: the tied worker with the longest match wins (a second copy of a prefix for
@@ -121,6 +135,15 @@ pub struct ScoringConfig {
     /// requests in flight per candidate)` (default true): about as many requests queue
     /// behind a recompute as are in flight on a worker. False keeps it at `recompute_weight`.
     pub recompute_grows_with_load: bool,
+    /// Keep each group of requests that share a preamble (their leading system messages) on
+    /// one home worker while that worker's load stays within `home_load_slack` of the mean
+    /// (default false; see "Homes" above and [`crate::state::homes`]).
+    pub home_hold: bool,
+    /// How far above the fleet's mean in-flight count a home may go and still be held to:
+    /// a request goes home while the home's in-flight count, this request included, is at
+    /// most `ceil((1 + home_load_slack) × mean)` (default 0.25, as consistent hashing with
+    /// bounded loads).
+    pub home_load_slack: f64,
 }
 
 impl Default for ScoringConfig {
@@ -134,6 +157,8 @@ impl Default for ScoringConfig {
             recompute_weight: 1.0,
             admission_match: true,
             recompute_grows_with_load: true,
+            home_hold: false,
+            home_load_slack: 0.25,
         }
     }
 }
@@ -151,6 +176,7 @@ impl ScoringConfig {
             ("running_ms", self.running_ms),
             ("temperature", self.temperature),
             ("recompute_weight", self.recompute_weight),
+            ("home_load_slack", self.home_load_slack),
         ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(ConfigError::new(
@@ -226,6 +252,16 @@ impl Choice {
         self.estimates.get(self.index).copied().unwrap_or_default()
     }
 
+    /// Chooses candidate `index` instead (it goes first in the ranking).
+    pub fn prefer(&mut self, index: usize) {
+        if index >= self.estimates.len() {
+            return;
+        }
+        self.index = index;
+        self.ranking.retain(|&i| i != index);
+        self.ranking.insert(0, index);
+    }
+
     /// The best candidate holding the longest match, when it is not the chosen one (what the
     /// decision log shows as the alternative that was passed over).
     pub fn passed_over(&self, candidates: &[Candidate]) -> Option<usize> {
@@ -239,6 +275,33 @@ impl Choice {
                     .is_some_and(|c| c.matched_blocks >= self.best_matched)
         })
     }
+}
+
+/// Whether a request of a group whose home is candidate `home` goes there instead of to the
+/// chosen candidate (see "Homes" above): the chosen worker holds nothing of the request beyond
+/// the group's preamble that the home does not hold too (a conversation's history or an image
+/// stays where it is cached), and the home's load is within the bound.
+pub fn goes_home(
+    choice: &Choice,
+    candidates: &[Candidate],
+    home: usize,
+    preamble_blocks: usize,
+    load_slack: f64,
+) -> bool {
+    let (Some(chosen), Some(h)) = (candidates.get(choice.index), candidates.get(home)) else {
+        return false;
+    };
+    if home == choice.index || chosen.matched_blocks > h.matched_blocks.max(preamble_blocks) {
+        return false;
+    }
+    let total: f64 = candidates
+        .iter()
+        .map(|c| f64::from(c.inflight))
+        .sum::<f64>()
+        + 1.0;
+    let mean = total / candidates.len() as f64;
+    let bound = ((1.0 + load_slack.max(0.0)) * mean).ceil();
+    f64::from(h.inflight) + 1.0 <= bound
 }
 
 fn known(v: Option<f64>) -> Option<f64> {

@@ -866,6 +866,9 @@ fn decision_line(d: &Decision) -> String {
                 e.recompute_s * 1e3,
                 if d.precise { "precise" } else { "approximate" },
             );
+            if d.home {
+                line.push_str("; its group's home");
+            }
             if let Some((name, matched, alt)) = &d.passed_over {
                 line.push_str(&format!(
                     "; passed over {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms > {:.1} ms",

@@ -11,8 +11,11 @@
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::identity::IdSource;
-use crate::scoring::{Candidate, Estimate, RequestSize, choose, pick_below, splitmix64};
+use crate::scoring::{
+    Candidate, Choice, Estimate, RequestSize, choose, goes_home, pick_below, splitmix64,
+};
 use crate::state::blocks::Bucket;
+use crate::state::homes::{Eligible, Homes};
 use crate::state::images::resident_blocks;
 use crate::state::load::{Load, LoadTable};
 use crate::state::lookup::{PrefixMatch, default_probes, match_prefix, surviving_depth};
@@ -20,6 +23,10 @@ use crate::state::workers::{Live, LiveTable, Members, flag};
 use crate::state::writer::{read_live, read_members};
 use crate::state::{Keys, SharedStore, cas_update, decisions, ensure_key};
 use std::collections::HashMap;
+
+/// Groups the homes table keeps (`scoring.home_hold`): about 23 bytes each, so one read of
+/// the table copies at most 6 KiB.
+const HOME_GROUPS: usize = 256;
 
 /// Why a request was routed without its cache affinity (to the least-loaded worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +85,9 @@ pub struct Decision {
     /// The decision used the engine's KV events (the sidecar's feed was fresh).
     pub precise: bool,
     pub fallback: Option<Fallback>,
+    /// The request went to its group's home instead of its lowest-cost worker
+    /// (`scoring.home_hold`).
+    pub home: bool,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
     /// What the engine frees when the request ends, for [`Router::released`] (None for a
@@ -140,10 +150,12 @@ impl Router {
     /// before traffic: see "First writes" in [`crate::state`]).
     pub fn prepare(&self, store: &dyn SharedStore) -> bool {
         let load = ensure_key(store, &self.keys.load(), &[]);
+        let homes = !self.config.router.scoring.home_hold
+            || ensure_key(store, &self.keys.homes(), &Homes::default().encode());
         // The URL cache's buckets exist before traffic, so that every claim is a CAS.
         let urls = !self.config.fetch.enabled
             || crate::state::urls::prepare(store, &self.keys, &self.config.fetch.cache);
-        load && urls
+        load && homes && urls
     }
 
     /// The membership and live tables, re-reading membership only when it moved.
@@ -267,7 +279,18 @@ impl Router {
             prompt_tokens: analysis.layout.prompt_tokens,
             block_size,
         };
-        let choice = choose(request, &candidates, &self.config.router.scoring, random)?;
+        let mut choice = choose(request, &candidates, &self.config.router.scoring, random)?;
+        let home = self.config.router.scoring.home_hold
+            && self.hold_home(
+                keys,
+                analysis.layout.preamble_blocks,
+                &live,
+                &eligible,
+                &candidates,
+                &mut choice,
+                store,
+                now_ms,
+            );
         let slot = eligible.get(choice.index).copied()?;
         let target = self.target(slot)?;
         let estimate = choice.estimate();
@@ -329,6 +352,7 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
+            home,
             recorded: end.is_some() && enqueued,
             held: live.get(slot).map(|l| Held {
                 keys: keys.to_vec(),
@@ -337,6 +361,53 @@ impl Router {
                 new_blocks,
             }),
         })
+    }
+
+    /// `scoring.home_hold`: counts the request in its group's home (the group is named by the
+    /// key of the preamble's last block) and sends it there when [`goes_home`] says so.
+    /// Returns whether it changed the choice.
+    #[allow(clippy::too_many_arguments)]
+    fn hold_home(
+        &self,
+        keys: &[u64],
+        preamble_blocks: usize,
+        live: &LiveTable,
+        eligible: &[usize],
+        candidates: &[Candidate],
+        choice: &mut Choice,
+        store: &dyn SharedStore,
+        now_ms: u64,
+    ) -> bool {
+        let preamble = preamble_blocks.min(keys.len());
+        let Some(&group) = preamble.checked_sub(1).and_then(|i| keys.get(i)) else {
+            return false;
+        };
+        let workers: Vec<Eligible> = eligible
+            .iter()
+            .filter_map(|&slot| {
+                live.get(slot).map(|l| Eligible {
+                    slot,
+                    incarnation: l.incarnation,
+                })
+            })
+            .collect();
+        let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
+        let half_life = self.config.router.scoring.footprint_half_life_ms;
+        let mut home = None;
+        cas_update(store, &self.keys.homes(), |bytes| {
+            let mut homes = Homes::decode(bytes);
+            home = homes.visit(group, &workers, preferred, now_ms, half_life, HOME_GROUPS);
+            Some(homes.encode())
+        });
+        let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
+            return false;
+        };
+        let slack = self.config.router.scoring.home_load_slack;
+        if goes_home(choice, candidates, index, preamble, slack) {
+            choice.prefer(index);
+            return true;
+        }
+        false
     }
 
     /// Records the request's last block key for `slot` now, with the stamp the state writer
@@ -515,6 +586,7 @@ impl Router {
             probes: 0,
             precise: live.precise,
             fallback: Some(why),
+            home: false,
             recorded: end.is_some(),
             held: None,
         })
@@ -819,6 +891,115 @@ mod tests {
             used.insert(d.target.slot);
         }
         assert_eq!(used.len(), 4, "new content spreads: {used:?}");
+    }
+
+    fn with_system(system: &str, image: &[u8], text: &str) -> Vec<u8> {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(image);
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
+        )
+        .into_bytes()
+    }
+
+    fn home_hold(workers: usize) -> FilterConfig {
+        let ws: Vec<String> = (0..workers)
+            .map(|i| format!(r#"{{"name":"w{i}","address":"127.0.0.1:{}"}}"#, 8000 + i))
+            .collect();
+        let json = format!(
+            r#"{{"workers":[{}],"scoring":{{"home_hold":true}}}}"#,
+            ws.join(",")
+        );
+        FilterConfig::from_json(json.as_bytes()).expect("config")
+    }
+
+    /// Two applications (system prompts) taking turns two requests at a time, each with a new image, none
+    /// finished before the next: (group, worker, went home) of each.
+    fn two_groups(r: &mut Router, store: &MemoryStore) -> Vec<(usize, usize, bool)> {
+        let systems = [
+            "You are assistant one. ".repeat(20),
+            "You are assistant two. ".repeat(20),
+        ];
+        let mut out = Vec::new();
+        for i in 0..8u32 {
+            let g = (i / 2 % 2) as usize;
+            let b = with_system(&systems[g], &png(600 + i, 600), "Describe this image.");
+            let t = u64::from(i);
+            // None finishes: the load spreads them, and only the homes keep groups together.
+            let d = route(r, store, &b, t, u64::from(i));
+            apply(store, r, t + 600);
+            out.push((g, d.target.slot, d.home));
+        }
+        out
+    }
+
+    #[test]
+    fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_ones() {
+        let store = MemoryStore::default();
+        let mut r = Router::new(home_hold(2));
+        let desired: Vec<(String, String)> = (0..2)
+            .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
+            .collect();
+        assert!(r.prepare(&store));
+        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        let went = two_groups(&mut r, &store);
+        let homes: Vec<std::collections::HashSet<usize>> = (0..2)
+            .map(|g| went.iter().filter(|w| w.0 == g).map(|w| w.1).collect())
+            .collect();
+        assert_eq!(homes[0].len(), 1, "group 0 on one worker: {went:?}");
+        assert_eq!(homes[1].len(), 1, "group 1 on one worker: {went:?}");
+        assert_ne!(
+            homes[0], homes[1],
+            "the groups on different workers: {went:?}"
+        );
+        assert!(
+            went.iter().any(|w| w.2),
+            "some went home against the cost: {went:?}"
+        );
+        // Without it, the queues spread each group over both workers.
+        let store = MemoryStore::default();
+        let mut plain = router(&store, 2);
+        let went = two_groups(&mut plain, &store);
+        assert!(went.iter().all(|w| !w.2));
+        let spread = (0..2)
+            .filter(|&g| {
+                let used: std::collections::HashSet<usize> =
+                    went.iter().filter(|w| w.0 == g).map(|w| w.1).collect();
+                used.len() > 1
+            })
+            .count();
+        assert!(spread > 0, "{went:?}");
+    }
+
+    #[test]
+    fn a_home_past_its_load_bound_is_not_held_to() {
+        let store = MemoryStore::default();
+        let mut r = Router::new(home_hold(2));
+        let desired: Vec<(String, String)> = (0..2)
+            .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
+            .collect();
+        assert!(r.prepare(&store));
+        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        let system = "You are assistant one. ".repeat(20);
+        // None finishes: the home fills up to the bound (ceil(1.25 × mean)), then the rest go
+        // to the other worker.
+        let (mut slots, mut held) = (Vec::new(), false);
+        for i in 0..8u32 {
+            let b = with_system(&system, &png(600 + i, 600), "Describe this image.");
+            let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
+            apply(&store, &r, u64::from(i) + 1);
+            slots.push(d.target.slot);
+            held |= d.home;
+        }
+        assert!(
+            held,
+            "the hold kept some at home against the cost: {slots:?}"
+        );
+        let home = slots[0];
+        let at_home = slots.iter().filter(|&&s| s == home).count();
+        assert!(
+            (4..=5).contains(&at_home),
+            "at most ceil(1.25 × 8 / 2) = 5 at home, and not spread evenly by cost alone: {slots:?}"
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! | `<ns>.b.<i>` | block buckets: router block key → holders ([`blocks`]) | the state writer | O(log n) per request ([`lookup`]) |
 //! | `<ns>.i.<i>` | image buckets: image key → holders with resident block counts ([`images`]) | the state writer (precise mode) | per image in the matched prefix |
 //! | `<ns>.u.<i>` | URL cache: image URL → content id and size, a failure, or an in-flight marker ([`urls`]) | every VM, CAS (filters with `fetch` on) | per fetchable image URL |
+//! | `<ns>.homes` | the worker each request group (shared preamble) is kept on, with `scoring.home_hold` ([`homes`]) | every VM, CAS | every request with a preamble |
 //! | `<ns>.lease` | which VM is the state writer ([`lease`]) | any VM, CAS | the writer's tick |
 //! | queue `<ns>.decisions` | routing decisions waiting to be applied ([`decisions`]) | every VM, one enqueue per request | the state writer |
 //!
@@ -42,6 +43,7 @@
 
 pub mod blocks;
 pub mod decisions;
+pub mod homes;
 pub mod images;
 pub mod lease;
 pub mod load;
@@ -239,6 +241,10 @@ impl Keys {
 
     pub fn url_bucket(&self, index: u32) -> String {
         format!("{}.u.{index}", self.prefix)
+    }
+
+    pub fn homes(&self) -> String {
+        format!("{}.homes", self.prefix)
     }
 
     pub fn decisions(&self) -> String {

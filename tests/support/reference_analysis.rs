@@ -181,10 +181,14 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
     let mut tokens: Vec<u32> = Vec::with_capacity(256);
     let mut spans: Vec<Span> = Vec::new();
     let mut continued_tokens = 0usize;
+    let mut preamble_tokens = None;
     for message in &request.messages {
         let chat = request.api == ApiKind::Chat;
         if message.role == "assistant" {
             continued_tokens = tokens.len();
+        }
+        if preamble_tokens.is_none() && !matches!(&*message.role, "system" | "developer") {
+            preamble_tokens = Some(tokens.len());
         }
         if chat {
             tokens.push(IM_START);
@@ -271,6 +275,7 @@ pub fn layout(request: &Request<'_>, media: &[PlacedMedia], block_size: usize) -
         block_size,
         prompt_tokens: tokens.len(),
         continued_blocks: continued_tokens / block_size,
+        preamble_blocks: preamble_tokens.unwrap_or(tokens.len()) / block_size,
         keys,
         media: overlaps,
     }

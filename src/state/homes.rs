@@ -1,0 +1,274 @@
+//! Homes (`<ns>.homes`): the worker each group of requests is kept on when `scoring.home_hold`
+//! is on. A group is the requests that share a preamble (the leading system messages: one
+//! application's system prompt), named by the key of the preamble's last block.
+//!
+//! Under cache pressure a worker holds only what the last few requests sent to it left, so a
+//! request finds its system prompt cached only if the requests before it on that worker were
+//! of its group. Choosing per request, by cost, spreads every group over every worker; a home
+//! per group keeps each group's requests together. A group gets its home at first sight: the
+//! eligible worker with the least homed request rate (the groups already homed there, each
+//! weighted by its recent requests), so homes are balanced by traffic, not by count. A home
+//! whose worker left, became ineligible or was replaced (another incarnation of its slot) is
+//! chosen again the same way.
+//!
+//! Value layout, little-endian; at most `capacity` entries, the least recently seen go first:
+//!
+//! ```text
+//! u8 version (1) | u16 entries | entries × ( u64 group | u16 slot | u8 incarnation | f32 rate | u64 seen_ms )
+//! ```
+//!
+//! Written by every VM with CAS (one update per request that has a preamble); a lost update
+//! only loses one request's count.
+
+use super::wire::Reader;
+
+const VERSION: u8 = 1;
+const ENTRY: usize = 8 + 2 + 1 + 4 + 8;
+
+/// One group's home.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Home {
+    pub group: u64,
+    pub slot: u16,
+    pub incarnation: u8,
+    /// Requests of the group, decayed with the half-life to `seen_ms`.
+    pub rate: f32,
+    pub seen_ms: u64,
+}
+
+impl Home {
+    fn rate_at(&self, now_ms: u64, half_life_ms: u64) -> f64 {
+        if half_life_ms == 0 {
+            return f64::from(self.rate);
+        }
+        let elapsed = now_ms.saturating_sub(self.seen_ms) as f64;
+        f64::from(self.rate) * (-elapsed / half_life_ms as f64 * std::f64::consts::LN_2).exp()
+    }
+}
+
+/// The decoded table.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Homes {
+    pub entries: Vec<Home>,
+}
+
+/// A worker a group may be homed on: its slot and the slot's incarnation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eligible {
+    pub slot: usize,
+    pub incarnation: u8,
+}
+
+impl Homes {
+    /// Decodes the table; a malformed value decodes as empty.
+    pub fn decode(bytes: &[u8]) -> Homes {
+        let mut r = Reader::new(bytes);
+        let mut entries = Vec::new();
+        let ok = (|| {
+            if r.u8()? != VERSION {
+                return None;
+            }
+            let n = r.u16()?;
+            for _ in 0..n {
+                entries.push(Home {
+                    group: r.u64()?,
+                    slot: r.u16()?,
+                    incarnation: r.u8()?,
+                    rate: r.f32()?,
+                    seen_ms: r.u64()?,
+                });
+            }
+            Some(())
+        })();
+        match ok {
+            Some(()) => Homes { entries },
+            None => Homes::default(),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let n = self.entries.len().min(usize::from(u16::MAX));
+        let mut out = Vec::with_capacity(3 + n * ENTRY);
+        out.push(VERSION);
+        out.extend_from_slice(&(n as u16).to_le_bytes());
+        for h in self.entries.iter().take(n) {
+            out.extend_from_slice(&h.group.to_le_bytes());
+            out.extend_from_slice(&h.slot.to_le_bytes());
+            out.push(h.incarnation);
+            out.extend_from_slice(&h.rate.to_le_bytes());
+            out.extend_from_slice(&h.seen_ms.to_le_bytes());
+        }
+        out
+    }
+
+    /// The request rate of the groups homed on `slot` now.
+    pub fn homed_rate(&self, slot: usize, now_ms: u64, half_life_ms: u64) -> f64 {
+        self.entries
+            .iter()
+            .filter(|h| usize::from(h.slot) == slot)
+            .map(|h| h.rate_at(now_ms, half_life_ms))
+            .sum()
+    }
+
+    /// Counts one request of `group` at `now_ms` and returns its home: the recorded one while
+    /// that worker is eligible in the same incarnation, else a new one, the eligible worker
+    /// with the least homed rate (`preferred` among equals, then the first). None when nothing
+    /// is eligible. Keeps at most `capacity` groups, forgetting the least recently seen.
+    pub fn visit(
+        &mut self,
+        group: u64,
+        eligible: &[Eligible],
+        preferred: usize,
+        now_ms: u64,
+        half_life_ms: u64,
+        capacity: usize,
+    ) -> Option<usize> {
+        let at = self.entries.iter().position(|h| h.group == group);
+        let valid = at
+            .and_then(|i| self.entries.get(i))
+            .and_then(|h| {
+                eligible
+                    .iter()
+                    .find(|e| e.slot == usize::from(h.slot) && e.incarnation == h.incarnation)
+            })
+            .copied();
+        let home = match valid {
+            Some(e) => e,
+            None => {
+                // Not counting this group's own old home, if any.
+                let own = at.and_then(|i| self.entries.get(i)).copied();
+                let rate_of = |e: &Eligible| {
+                    let mut r = self.homed_rate(e.slot, now_ms, half_life_ms);
+                    if let Some(o) = own.filter(|o| usize::from(o.slot) == e.slot) {
+                        r -= o.rate_at(now_ms, half_life_ms);
+                    }
+                    r
+                };
+                let least = eligible.iter().map(rate_of).fold(f64::INFINITY, f64::min);
+                // Equal within a tenth of a request: the scoring's choice decides.
+                let near = |e: &&Eligible| rate_of(e) <= least + 0.1;
+                *eligible
+                    .iter()
+                    .filter(near)
+                    .find(|e| e.slot == preferred)
+                    .or_else(|| eligible.iter().find(near))?
+            }
+        };
+        let slot = u16::try_from(home.slot).ok()?;
+        match at.and_then(|i| self.entries.get_mut(i)) {
+            Some(h) => {
+                h.rate = (h.rate_at(now_ms, half_life_ms) + 1.0) as f32;
+                h.seen_ms = h.seen_ms.max(now_ms);
+                h.slot = slot;
+                h.incarnation = home.incarnation;
+            }
+            None => {
+                if self.entries.len() >= capacity.max(1)
+                    && let Some(oldest) = self
+                        .entries
+                        .iter()
+                        .enumerate()
+                        .min_by_key(|(_, h)| h.seen_ms)
+                        .map(|(i, _)| i)
+                {
+                    self.entries.swap_remove(oldest);
+                }
+                self.entries.push(Home {
+                    group,
+                    slot,
+                    incarnation: home.incarnation,
+                    rate: 1.0,
+                    seen_ms: now_ms,
+                });
+            }
+        }
+        Some(home.slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workers(n: usize) -> Vec<Eligible> {
+        (0..n)
+            .map(|slot| Eligible {
+                slot,
+                incarnation: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_group_keeps_its_home_and_new_groups_go_where_the_least_traffic_is_homed() {
+        let mut homes = Homes::default();
+        let w = workers(2);
+        // The first group: nothing is homed anywhere, the scoring's choice (1) decides.
+        assert_eq!(homes.visit(7, &w, 1, 0, 60_000, 64), Some(1));
+        for t in 1..10 {
+            assert_eq!(homes.visit(7, &w, 0, t, 60_000, 64), Some(1), "stays");
+        }
+        // A second group goes to the worker without traffic, whatever the scoring prefers.
+        assert_eq!(homes.visit(8, &w, 1, 20, 60_000, 64), Some(0));
+        // A third: worker 0 has 1 request homed, worker 1 has 10.
+        assert_eq!(homes.visit(9, &w, 1, 30, 60_000, 64), Some(0));
+        let back = Homes::decode(&homes.encode());
+        assert_eq!(back, homes);
+        assert!((back.homed_rate(1, 30, 60_000) - 10.0).abs() < 0.01);
+    }
+
+    #[test]
+    fn a_home_that_left_or_was_replaced_is_chosen_again() {
+        let mut homes = Homes::default();
+        let w = workers(3);
+        assert_eq!(homes.visit(7, &w, 2, 0, 60_000, 64), Some(2));
+        // Worker 2 is no longer eligible: worker 0 or 1, the scoring's choice among equals.
+        assert_eq!(homes.visit(7, &w[..2], 1, 1, 60_000, 64), Some(1));
+        // Slot 1 now holds another worker (a new incarnation): chosen again.
+        let replaced = [
+            w[0],
+            Eligible {
+                slot: 1,
+                incarnation: 1,
+            },
+        ];
+        assert_eq!(homes.visit(7, &replaced, 0, 2, 60_000, 64), Some(0));
+        assert_eq!(homes.entries.len(), 1);
+        assert_eq!(homes.visit(7, &[], 0, 3, 60_000, 64), None);
+    }
+
+    #[test]
+    fn the_table_keeps_the_most_recently_seen_groups_and_bad_bytes_decode_empty() {
+        let mut homes = Homes::default();
+        let w = workers(2);
+        for g in 0..10u64 {
+            homes.visit(g, &w, 0, g * 10, 60_000, 4);
+        }
+        let mut groups: Vec<u64> = homes.entries.iter().map(|h| h.group).collect();
+        groups.sort();
+        assert_eq!(groups, vec![6, 7, 8, 9]);
+        let bytes = homes.encode();
+        for cut in 0..bytes.len() {
+            assert_eq!(
+                Homes::decode(&bytes[..cut]),
+                Homes::default(),
+                "cut at {cut}"
+            );
+        }
+        assert_eq!(Homes::decode(&[2, 0, 0]), Homes::default());
+    }
+
+    #[test]
+    fn old_traffic_counts_less() {
+        let mut homes = Homes::default();
+        let w = workers(2);
+        for t in 0..8 {
+            homes.visit(1, &w, 0, t, 1_000, 64);
+        }
+        // Four half-lives later group 1's 8 requests weigh 0.5: a group seen twice since
+        // on worker 1 outweighs it.
+        homes.visit(2, &w, 1, 4_000, 1_000, 64);
+        homes.visit(2, &w, 1, 4_000, 1_000, 64);
+        assert_eq!(homes.visit(3, &w, 1, 4_000, 1_000, 64), Some(0));
+    }
+}
