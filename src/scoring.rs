@@ -82,11 +82,19 @@
 //! requests that share a preamble (the leading system messages) has a home worker
 //! ([`crate::state::homes`]: assigned at first sight where the least traffic is homed), and a
 //! request goes home instead of to its lowest-cost worker when
-//! - that worker holds nothing of the request beyond the preamble that the home does not
-//!   hold too (a follow-up stays with its history, a repeated image with its blocks), and
+//! - that worker would recompute the preamble: where it holds the preamble (or more: a
+//!   follow-up's history, a repeated image) the request finds its prefix there, so where
+//!   caches hold the working set every worker soon holds every preamble and the cost
+//!   balances as before; the hold acts only where the preamble is gone, under cache
+//!   pressure; and
+//! - the group has at most 1.5 workers' shares of the recent traffic (its decayed request
+//!   rate over all groups', times the workers): one application's system prompt on every
+//!   request is no group to keep on one worker (the filter checks this, from the homes
+//!   table); and
 //! - the home is not overloaded: its requests in flight, this one included, are at most
 //!   `ceil((1 + home_load_slack) × mean)` over the candidates (the bound of consistent hashing
-//!   with bounded loads); past it, the request goes where the cost says.
+//!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
+//!   any load); past it, the request goes where the cost says.
 //!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
@@ -136,13 +144,14 @@ pub struct ScoringConfig {
     /// behind a recompute as are in flight on a worker. False keeps it at `recompute_weight`.
     pub recompute_grows_with_load: bool,
     /// Keep each group of requests that share a preamble (their leading system messages) on
-    /// one home worker while that worker's load stays within `home_load_slack` of the mean
-    /// (default false; see "Homes" above and [`crate::state::homes`]).
+    /// one home worker where the request would otherwise recompute its preamble, while that
+    /// worker's load stays within `home_load_slack` of the mean (default true; see "Homes"
+    /// above and [`crate::state::homes`]).
     pub home_hold: bool,
     /// How far above the fleet's mean in-flight count a home may go and still be held to:
     /// a request goes home while the home's in-flight count, this request included, is at
-    /// most `ceil((1 + home_load_slack) × mean)` (default 0.25, as consistent hashing with
-    /// bounded loads).
+    /// most `ceil((1 + home_load_slack) × mean)` (default 1: a home may carry twice the
+    /// mean; with 2 workers that never stops a hold).
     pub home_load_slack: f64,
 }
 
@@ -157,8 +166,8 @@ impl Default for ScoringConfig {
             recompute_weight: 1.0,
             admission_match: true,
             recompute_grows_with_load: true,
-            home_hold: false,
-            home_load_slack: 0.25,
+            home_hold: true,
+            home_load_slack: 1.0,
         }
     }
 }
@@ -278,9 +287,10 @@ impl Choice {
 }
 
 /// Whether a request of a group whose home is candidate `home` goes there instead of to the
-/// chosen candidate (see "Homes" above): the chosen worker holds nothing of the request beyond
-/// the group's preamble that the home does not hold too (a conversation's history or an image
-/// stays where it is cached), and the home's load is within the bound.
+/// chosen candidate (see "Homes" above): the chosen worker would recompute the group's
+/// preamble (where it holds the preamble, or more, the request finds its prefix there, and a
+/// conversation's history or an image stays where it is cached), and the home's load is within
+/// the bound.
 pub fn goes_home(
     choice: &Choice,
     candidates: &[Candidate],
@@ -291,7 +301,7 @@ pub fn goes_home(
     let (Some(chosen), Some(h)) = (candidates.get(choice.index), candidates.get(home)) else {
         return false;
     };
-    if home == choice.index || chosen.matched_blocks > h.matched_blocks.max(preamble_blocks) {
+    if home == choice.index || chosen.matched_blocks >= preamble_blocks {
         return false;
     }
     let total: f64 = candidates

@@ -941,7 +941,14 @@ fn host_calls_per_request_are_few_and_do_not_grow_with_the_body() {
         .chunk_size(64 * 1024)
         .send()
         .unwrap();
+    // With a system prompt the request belongs to a group: its home is read and counted.
+    let system = format!(
+        r#"{{"model":"Qwen/Qwen2.5-VL-7B-Instruct","messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"hi"}}]}}"#,
+        "You are a careful assistant. ".repeat(20)
+    );
+    let grouped = chat(&vm, &system).chunk_size(1 << 20).send().unwrap();
     print_calls("text", &text);
+    print_calls("text with a system prompt", &grouped);
     print_calls("small image", &image);
     print_calls("1 MiB image in 64 KiB pieces", &large);
     let total = |s: &proxy_wasm_host::Exchange| s.host_calls().total();
@@ -951,6 +958,17 @@ fn host_calls_per_request_are_few_and_do_not_grow_with_the_body() {
     // reads the answer's status and the live table to see whether its freed blocks need a
     // new stamp).
     assert!(total(&text) <= 28, "text: {}", total(&text));
+    // The homes table (scoring.home_hold): one read and one CAS write more.
+    assert!(
+        total(&grouped) <= 30,
+        "with a system prompt: {}",
+        total(&grouped)
+    );
+    assert_eq!(
+        grouped.host_calls().count("proxy_set_shared_data"),
+        text.host_calls().count("proxy_set_shared_data") + 1,
+        "one more shared-data write: the home's count"
+    );
     assert!(total(&image) <= 28, "image: {}", total(&image));
     // The body pieces cost one read each; nothing else grows with the body.
     let pieces = large.host_calls().count("proxy_get_buffer_bytes");

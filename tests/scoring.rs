@@ -1,7 +1,7 @@
 //! Behaviour of the decision rule: wait against recompute, in time (src/scoring.rs).
 
 use mmrouter::config::RouterConfig;
-use mmrouter::scoring::{Candidate, RequestSize, ScoringConfig, choose};
+use mmrouter::scoring::{Candidate, RequestSize, ScoringConfig, choose, goes_home};
 
 const SPEED: f64 = 8000.0;
 
@@ -44,7 +44,52 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.recompute_weight, 1.0);
     assert!(c.admission_match);
     assert!(c.recompute_grows_with_load);
+    assert!(c.home_hold);
+    assert_eq!(c.home_load_slack, 1.0);
     assert!(c.validate().is_ok());
+}
+
+#[test]
+fn a_request_goes_home_only_where_its_chosen_worker_would_recompute_the_preamble() {
+    // 40 blocks, of which the first 10 are the group's preamble; the home is worker 1.
+    let preamble = 10;
+    let chosen = |ws: &[Candidate]| choose(request(40), ws, &config(), 0).expect("a choice");
+    let busy_home = |matched: usize| Candidate {
+        inflight: 1,
+        ..worker(matched, 0.2)
+    };
+    // The idle worker 0 holds nothing: it would recompute the preamble, so the request goes
+    // home (1 in flight there, this one included 2, within ceil(2 × 2 / 2) = 2).
+    let ws = [worker(0, 0.0), busy_home(preamble)];
+    let c = chosen(&ws);
+    assert_eq!(c.index, 0, "the cost alone picks the idle worker");
+    assert!(goes_home(&c, &ws, 1, preamble, 1.0));
+    // Worker 0 holds the preamble (or more): the request finds its prefix there; no hold.
+    for held in [preamble, preamble + 5] {
+        let ws = [worker(held, 0.0), busy_home(preamble)];
+        let c = chosen(&ws);
+        assert_eq!(c.index, 0);
+        assert!(!goes_home(&c, &ws, 1, preamble, 1.0), "{held} blocks held");
+    }
+    // Past the load bound: 3 in flight at home against 0, ceil(1.25 × 4 / 2) = 3 < 4.
+    let ws = [
+        worker(0, 0.0),
+        Candidate {
+            inflight: 3,
+            ..worker(preamble, 0.2)
+        },
+    ];
+    let c = chosen(&ws);
+    assert!(!goes_home(&c, &ws, 1, preamble, 0.25));
+    assert!(
+        goes_home(&c, &ws, 1, preamble, 1.0),
+        "ceil(2 × 2) = 4 holds it"
+    );
+    // Home already chosen: nothing to change.
+    let ws = [worker(0, 0.5), worker(preamble, 0.0)];
+    let c = chosen(&ws);
+    assert_eq!(c.index, 1);
+    assert!(!goes_home(&c, &ws, 1, preamble, 1.0));
 }
 
 #[test]

@@ -24,6 +24,10 @@ use crate::state::writer::{read_live, read_members};
 use crate::state::{Keys, SharedStore, cas_update, decisions, ensure_key};
 use std::collections::HashMap;
 
+/// A group is held to its home while it has at most this many workers' shares of the traffic
+/// (`scoring.home_hold`).
+const HOME_MAX_SHARES: f64 = 1.5;
+
 /// Groups the homes table keeps (`scoring.home_hold`): about 23 bytes each, so one read of
 /// the table copies at most 6 KiB.
 const HOME_GROUPS: usize = 256;
@@ -393,12 +397,20 @@ impl Router {
             .collect();
         let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
         let half_life = self.config.router.scoring.footprint_half_life_ms;
-        let mut home = None;
+        let (mut home, mut share) = (None, 1.0);
         cas_update(store, &self.keys.homes(), |bytes| {
             let mut homes = Homes::decode(bytes);
             home = homes.visit(group, &workers, preferred, now_ms, half_life, HOME_GROUPS);
+            share = homes.share(group, now_ms, half_life);
             Some(homes.encode())
         });
+        // A group with clearly more than one worker's share of the traffic (one application's
+        // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
+        // Up to 1.5 shares are held, so that groups of about one share each (as many groups
+        // as workers) are not let go whenever their recent rates wobble above it.
+        if share * workers.len() as f64 > HOME_MAX_SHARES {
+            return false;
+        }
         let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
             return false;
         };
@@ -901,12 +913,12 @@ mod tests {
         .into_bytes()
     }
 
-    fn home_hold(workers: usize) -> FilterConfig {
+    fn home_hold(workers: usize, slack: f64) -> FilterConfig {
         let ws: Vec<String> = (0..workers)
             .map(|i| format!(r#"{{"name":"w{i}","address":"127.0.0.1:{}"}}"#, 8000 + i))
             .collect();
         let json = format!(
-            r#"{{"workers":[{}],"scoring":{{"home_hold":true}}}}"#,
+            r#"{{"workers":[{}],"scoring":{{"home_hold":true,"home_load_slack":{slack}}}}}"#,
             ws.join(",")
         );
         FilterConfig::from_json(json.as_bytes()).expect("config")
@@ -919,6 +931,15 @@ mod tests {
             "You are assistant one. ".repeat(20),
             "You are assistant two. ".repeat(20),
         ];
+        // Both applications seen a few times (their requests finished): each has half the
+        // traffic, no more than one worker's share.
+        for i in 0..6u32 {
+            let g = (i % 2) as usize;
+            let b = with_system(&systems[g], &png(500 + i, 600), "Describe this image.");
+            let d = route(r, store, &b, 0, u64::from(i));
+            apply(store, r, 1);
+            assert!(r.finished(store, &d, 2000, true));
+        }
         let mut out = Vec::new();
         for i in 0..8u32 {
             let g = (i / 2 % 2) as usize;
@@ -935,7 +956,7 @@ mod tests {
     #[test]
     fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_ones() {
         let store = MemoryStore::default();
-        let mut r = Router::new(home_hold(2));
+        let mut r = Router::new(home_hold(2, 1.0));
         let desired: Vec<(String, String)> = (0..2)
             .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
             .collect();
@@ -957,7 +978,11 @@ mod tests {
         );
         // Without it, the queues spread each group over both workers.
         let store = MemoryStore::default();
-        let mut plain = router(&store, 2);
+        let mut off = home_hold(2, 1.0);
+        off.router.scoring.home_hold = false;
+        let mut plain = Router::new(off);
+        assert!(plain.prepare(&store));
+        sync_members(&store, plain.keys(), &plain.config.state, &desired, 0);
         let went = two_groups(&mut plain, &store);
         assert!(went.iter().all(|w| !w.2));
         let spread = (0..2)
@@ -973,13 +998,22 @@ mod tests {
     #[test]
     fn a_home_past_its_load_bound_is_not_held_to() {
         let store = MemoryStore::default();
-        let mut r = Router::new(home_hold(2));
+        let mut r = Router::new(home_hold(2, 0.25));
         let desired: Vec<(String, String)> = (0..2)
             .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
             .collect();
         assert!(r.prepare(&store));
         sync_members(&store, r.keys(), &r.config.state, &desired, 0);
         let system = "You are assistant one. ".repeat(20);
+        // Another application's traffic first (finished), so that this one's is no more than
+        // one worker's share.
+        let other = "You are assistant two. ".repeat(20);
+        for i in 0..8u32 {
+            let b = with_system(&other, &png(300 + i, 600), "Describe this image.");
+            let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
+            apply(&store, &r, u64::from(i) + 1);
+            assert!(r.finished(&store, &d, (u64::from(i) + 1) * 1000, true));
+        }
         // None finishes: the home fills up to the bound (ceil(1.25 × mean)), then the rest go
         // to the other worker.
         let (mut slots, mut held) = (Vec::new(), false);
@@ -1000,6 +1034,33 @@ mod tests {
             (4..=5).contains(&at_home),
             "at most ceil(1.25 × 8 / 2) = 5 at home, and not spread evenly by cost alone: {slots:?}"
         );
+    }
+
+    #[test]
+    fn an_application_whose_prompt_is_on_every_request_is_not_held_to_one_worker() {
+        // One system prompt on all traffic: more than one worker's share, so the cost
+        // spreads its new content as without homes (with the hold, at 2 workers and the
+        // default bound, every request would go to the one home).
+        let store = MemoryStore::default();
+        let mut r = Router::new(home_hold(2, 1.0));
+        let desired: Vec<(String, String)> = (0..2)
+            .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
+            .collect();
+        assert!(r.prepare(&store));
+        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        let system = "You are assistant one. ".repeat(20);
+        let mut slots = Vec::new();
+        for i in 0..8u32 {
+            let t = 200 + u64::from(i) * 10;
+            let b = with_system(&system, &png(900 + i, 500), "Describe this image.");
+            let d = route(&mut r, &store, &b, t, u64::from(i));
+            apply(&store, &r, t + 1);
+            assert!(!d.home, "request {i} held home");
+            assert!(r.finished(&store, &d, (t + 5) * 1000, true));
+            slots.push(d.target.slot);
+        }
+        let on_first = slots.iter().filter(|&&s| s == slots[0]).count();
+        assert!(on_first < slots.len(), "spread over both: {slots:?}");
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! eligible worker with the least homed request rate (the groups already homed there, each
 //! weighted by its recent requests), so homes are balanced by traffic, not by count. A home
 //! whose worker left, became ineligible or was replaced (another incarnation of its slot) is
-//! chosen again the same way.
+//! chosen again the same way. Each group's decayed rate also gives its share of the traffic
+//! ([`Homes::share`]): the filter does not hold a group with more than about one worker's
+//! share to one home.
 //!
 //! Value layout, little-endian; at most `capacity` entries, the least recently seen go first:
 //!
@@ -99,6 +101,22 @@ impl Homes {
             out.extend_from_slice(&h.seen_ms.to_le_bytes());
         }
         out
+    }
+
+    /// `group`'s share of the requests of every group in the table now (0 when unknown).
+    pub fn share(&self, group: u64, now_ms: u64, half_life_ms: u64) -> f64 {
+        let total: f64 = self
+            .entries
+            .iter()
+            .map(|h| h.rate_at(now_ms, half_life_ms))
+            .sum();
+        let own: f64 = self
+            .entries
+            .iter()
+            .filter(|h| h.group == group)
+            .map(|h| h.rate_at(now_ms, half_life_ms))
+            .sum();
+        if total > 0.0 { own / total } else { 0.0 }
     }
 
     /// The request rate of the groups homed on `slot` now.
@@ -215,6 +233,24 @@ mod tests {
         let back = Homes::decode(&homes.encode());
         assert_eq!(back, homes);
         assert!((back.homed_rate(1, 30, 60_000) - 10.0).abs() < 0.01);
+    }
+
+    #[test]
+    fn a_groups_share_is_its_recent_requests_over_every_groups() {
+        let mut homes = Homes::default();
+        let w = workers(2);
+        assert_eq!(homes.share(7, 0, 60_000), 0.0, "unknown group, empty table");
+        homes.visit(7, &w, 0, 0, 60_000, 64);
+        assert_eq!(homes.share(7, 0, 60_000), 1.0, "the only group");
+        for t in 0..3 {
+            homes.visit(8, &w, 0, t, 60_000, 64);
+        }
+        assert!((homes.share(7, 3, 60_000) - 0.25).abs() < 0.001);
+        assert!((homes.share(8, 3, 60_000) - 0.75).abs() < 0.001);
+        // A minute later, 7's one request counts half as much; so do 8's three.
+        homes.visit(7, &w, 0, 60_003, 60_000, 64);
+        let share = homes.share(7, 60_003, 60_000);
+        assert!((share - 1.5 / 3.0).abs() < 0.01, "{share}");
     }
 
     #[test]
