@@ -269,11 +269,17 @@ def test_same_image_lands_on_the_same_worker(mesh):
         again = mesh.post(chat(image))
         assert again[0] == 200
         assert again[1]["x-mock-worker"] == worker
+    # Envoy flushes its log every 50 ms: wait for the repeats' lines, not only the first one's.
+    def full_matches():
+        overlaps = re.findall(r"\[ROUTING\] Best: (\S+) with (\d+)/(\d+) blocks overlap", mesh.log())
+        return overlaps, any(w == worker and int(m) > 0 and m == t for w, m, t in overlaps)
+
     deadline = time.time() + 5
-    while "[ROUTING] Best:" not in mesh.log() and time.time() < deadline:
+    overlaps, found = full_matches()
+    while not found and time.time() < deadline:
         time.sleep(0.1)
-    overlaps = re.findall(r"\[ROUTING\] Best: (\S+) with (\d+)/(\d+) blocks overlap", mesh.log())
-    assert any(w == worker and int(m) > 0 and m == t for w, m, t in overlaps), overlaps
+        overlaps, found = full_matches()
+    assert found, overlaps
 
 
 def test_routed_requests_go_through_the_override_host_cluster_and_are_counted(mesh):
