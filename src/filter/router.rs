@@ -397,29 +397,31 @@ impl Router {
             .collect();
         let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
         let half_life = self.config.router.scoring.footprint_half_life_ms;
-        let (mut home, mut share) = (None, 1.0);
+        let (mut home, mut table) = (None, Homes::default());
         cas_update(store, &self.keys.homes(), |bytes| {
             let mut homes = Homes::decode(bytes);
             home = homes.visit(group, &workers, preferred, now_ms, half_life, HOME_GROUPS);
-            share = homes.share(group, now_ms, half_life);
-            Some(homes.encode())
+            let encoded = homes.encode();
+            table = homes;
+            Some(encoded)
         });
-        // A group with clearly more than one worker's share of the traffic (one application's
-        // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
-        // Up to 1.5 shares are held, so that groups of about one share each (as many groups
-        // as workers) are not let go whenever their recent rates wobble above it.
-        if share * workers.len() as f64 > HOME_MAX_SHARES {
-            return false;
-        }
         let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
             return false;
         };
         let slack = self.config.router.scoring.home_load_slack;
-        if goes_home(choice, candidates, index, preamble, slack) {
-            choice.prefer(index);
-            return true;
+        if !goes_home(choice, candidates, index, preamble, slack) {
+            return false;
         }
-        false
+        // A group with clearly more than one worker's share of the traffic (one application's
+        // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
+        // Up to 1.5 shares are held, so that groups of about one share each (as many groups
+        // as workers) are not let go whenever their recent rates wobble above it. Checked
+        // last: it decays every group's rate, and most requests stop at `goes_home`.
+        if table.share(group, now_ms, half_life) * workers.len() as f64 > HOME_MAX_SHARES {
+            return false;
+        }
+        choice.prefer(index);
+        true
     }
 
     /// Records the request's last block key for `slot` now, with the stamp the state writer
@@ -756,7 +758,12 @@ mod tests {
 
     /// A router over `n` workers whose membership the state writer has set up.
     fn router(store: &MemoryStore, n: usize) -> Router {
-        let r = Router::new(config(n));
+        start(store, config(n))
+    }
+
+    /// A router for `config`, its keys prepared and its configured workers the members.
+    fn start(store: &MemoryStore, config: FilterConfig) -> Router {
+        let r = Router::new(config);
         assert!(r.prepare(store));
         let desired: Vec<(String, String)> = r
             .config
@@ -956,12 +963,7 @@ mod tests {
     #[test]
     fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_ones() {
         let store = MemoryStore::default();
-        let mut r = Router::new(home_hold(2, 1.0));
-        let desired: Vec<(String, String)> = (0..2)
-            .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
-            .collect();
-        assert!(r.prepare(&store));
-        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        let mut r = start(&store, home_hold(2, 1.0));
         let went = two_groups(&mut r, &store);
         let homes: Vec<std::collections::HashSet<usize>> = (0..2)
             .map(|g| went.iter().filter(|w| w.0 == g).map(|w| w.1).collect())
@@ -980,9 +982,7 @@ mod tests {
         let store = MemoryStore::default();
         let mut off = home_hold(2, 1.0);
         off.router.scoring.home_hold = false;
-        let mut plain = Router::new(off);
-        assert!(plain.prepare(&store));
-        sync_members(&store, plain.keys(), &plain.config.state, &desired, 0);
+        let mut plain = start(&store, off);
         let went = two_groups(&mut plain, &store);
         assert!(went.iter().all(|w| !w.2));
         let spread = (0..2)
@@ -998,12 +998,7 @@ mod tests {
     #[test]
     fn a_home_past_its_load_bound_is_not_held_to() {
         let store = MemoryStore::default();
-        let mut r = Router::new(home_hold(2, 0.25));
-        let desired: Vec<(String, String)> = (0..2)
-            .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
-            .collect();
-        assert!(r.prepare(&store));
-        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        let mut r = start(&store, home_hold(2, 0.25));
         let system = "You are assistant one. ".repeat(20);
         // Another application's traffic first (finished), so that this one's is no more than
         // one worker's share.
@@ -1042,12 +1037,7 @@ mod tests {
         // spreads its new content as without homes (with the hold, at 2 workers and the
         // default bound, every request would go to the one home).
         let store = MemoryStore::default();
-        let mut r = Router::new(home_hold(2, 1.0));
-        let desired: Vec<(String, String)> = (0..2)
-            .map(|i| (format!("w{i}"), format!("127.0.0.1:{}", 8000 + i)))
-            .collect();
-        assert!(r.prepare(&store));
-        sync_members(&store, r.keys(), &r.config.state, &desired, 0);
+        let mut r = start(&store, home_hold(2, 1.0));
         let system = "You are assistant one. ".repeat(20);
         let mut slots = Vec::new();
         for i in 0..8u32 {

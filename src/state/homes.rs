@@ -105,17 +105,14 @@ impl Homes {
 
     /// `group`'s share of the requests of every group in the table now (0 when unknown).
     pub fn share(&self, group: u64, now_ms: u64, half_life_ms: u64) -> f64 {
-        let total: f64 = self
-            .entries
-            .iter()
-            .map(|h| h.rate_at(now_ms, half_life_ms))
-            .sum();
-        let own: f64 = self
-            .entries
-            .iter()
-            .filter(|h| h.group == group)
-            .map(|h| h.rate_at(now_ms, half_life_ms))
-            .sum();
+        let (mut own, mut total) = (0.0, 0.0);
+        for h in &self.entries {
+            let rate = h.rate_at(now_ms, half_life_ms);
+            total += rate;
+            if h.group == group {
+                own += rate;
+            }
+        }
         if total > 0.0 { own / total } else { 0.0 }
     }
 
