@@ -152,9 +152,27 @@ fn reference_png(data: &[u8]) -> Option<(u32, u32)> {
     Some((info.width, info.height))
 }
 
+/// The most output bytes `jpeg-decoder` may produce for one file. Lower than
+/// [`REFERENCE_BYTES`]: a few KiB of fuzzed scan data behind a frame header claiming megapixels
+/// made the decoder fill megabytes of output for every input, which held the target at ~1,000
+/// executions per second (docs/FUZZING.md). The frame's size is read first, so a larger file
+/// is compared on the streaming property only, as for the other formats.
+pub const JPEG_REFERENCE_BYTES: usize = 1 << 20;
+
 fn reference_jpeg(data: &[u8]) -> Option<(u32, u32)> {
     let mut decoder = jpeg_decoder::Decoder::new(Cursor::new(data));
-    decoder.set_max_decoding_buffer_size(REFERENCE_BYTES);
+    decoder.set_max_decoding_buffer_size(JPEG_REFERENCE_BYTES);
+    decoder.read_info().ok()?;
+    let info = decoder.info()?;
+    let components = match info.pixel_format {
+        jpeg_decoder::PixelFormat::L8 => 1,
+        jpeg_decoder::PixelFormat::L16 => 2,
+        jpeg_decoder::PixelFormat::RGB24 => 3,
+        jpeg_decoder::PixelFormat::CMYK32 => 4,
+    };
+    if usize::from(info.width) * usize::from(info.height) * components > JPEG_REFERENCE_BYTES {
+        return None;
+    }
     decoder.decode().ok()?;
     let info = decoder.info()?;
     Some((u32::from(info.width), u32::from(info.height)))
