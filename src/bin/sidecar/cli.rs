@@ -41,6 +41,12 @@ pub struct Config {
     pub eds_file: Option<PathBuf>,
     /// `--eds-cluster NAME`, default `mmrouter_workers`: the cluster the resource is for.
     pub eds_cluster: String,
+    /// `--dns-guard ADDR`: serve the fetch DNS guard (see `dns_guard`) on this UDP address.
+    pub dns_guard: Option<SocketAddr>,
+    /// `--dns-guard-upstream ADDR`, default the first nameserver of /etc/resolv.conf.
+    pub dns_guard_upstream: Option<SocketAddr>,
+    /// `--dns-guard-allow LIST`: the filter's `fetch.allow`, comma-separated.
+    pub dns_guard_allow: String,
 }
 
 /// Default of `--max-blocks-per-worker`: 256 Ki blocks, about 21 MiB per worker at most
@@ -68,6 +74,9 @@ impl Default for Config {
             journal_entries: DEFAULT_JOURNAL_ENTRIES,
             eds_file: None,
             eds_cluster: "mmrouter_workers".into(),
+            dns_guard: None,
+            dns_guard_upstream: None,
+            dns_guard_allow: String::new(),
         }
     }
 }
@@ -107,6 +116,14 @@ SERVER:
                             for a cluster with a filesystem path_config_source [none]
   --eds-cluster NAME        the cluster name in that resource [mmrouter_workers]
   --listen ADDR             HTTP address [127.0.0.1:9902]; port 0 = any free port
+
+FETCH DNS GUARD (for envoy/render.py --fetch-dns-resolver ADDR):
+  --dns-guard ADDR          forward DNS queries (UDP) received on ADDR; from an answer that
+                            also holds fetchable addresses, drop the special-use ones
+                            (loopback, private, link-local, ...) [off]
+  --dns-guard-upstream ADDR the resolver asked [first nameserver of /etc/resolv.conf, port 53]
+  --dns-guard-allow LIST    the filter's fetch.allow (comma-separated): its address and CIDR
+                            entries keep their special-use addresses [none]
   -h, --help                this text
 
 ENDPOINTS: GET /v1/state (JSON), GET /v1/feed?since=CURSOR (binary, see src/feed.rs),
@@ -214,6 +231,21 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Cli
             "--journal-entries" => cfg.journal_entries = at_least_one(&flag, v)?,
             "--eds-file" => cfg.eds_file = Some(PathBuf::from(v)),
             "--eds-cluster" => cfg.eds_cluster = value.clone(),
+            "--dns-guard" | "--dns-guard-upstream" => {
+                let addr = v
+                    .parse()
+                    .map_err(|_| CliError(format!("{flag}: `{v}` is not ip:port")))?;
+                if flag == "--dns-guard" {
+                    cfg.dns_guard = Some(addr);
+                } else {
+                    cfg.dns_guard_upstream = Some(addr);
+                }
+            }
+            "--dns-guard-allow" => {
+                crate::dns_guard::Policy::from_allow(v)
+                    .map_err(|e| CliError(format!("--dns-guard-allow: {e}")))?;
+                cfg.dns_guard_allow = value.clone();
+            }
             _ => return Err(CliError(format!("unknown option `{flag}`"))),
         }
     }

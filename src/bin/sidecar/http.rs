@@ -122,7 +122,8 @@ fn route(registry: &Mutex<Registry>, req: &Request<Incoming>) -> Response<Full<B
             respond(StatusCode::OK, "application/json", body)
         }
         "/metrics" => {
-            let body = lock().prometheus();
+            let mut body = lock().prometheus();
+            body.push_str(&crate::dns_guard::prometheus());
             respond(
                 StatusCode::OK,
                 "text/plain; version=0.0.4; charset=utf-8",

@@ -4,13 +4,14 @@
 //! and the images they carry). The filter polls `GET /v1/feed`; people read `/v1/state`.
 //! See docs/SIDECAR.md and `mmrouter-sidecar --help`.
 //!
-//! Modules: [`cli`] (arguments), [`membership`] (sources of workers), [`eds`] (the members
+//! Modules: [`cli`] (arguments), [`dns_guard`] (the fetch DNS guard), [`membership`] (sources of workers), [`eds`] (the members
 //! as an Envoy EDS file), [`scrape`]
 //! (`/metrics`), [`events`] (ZMQ subscription, sequence, replay), [`residency`] (a worker's
 //! resident blocks and images), [`journal`] (changes for feed deltas), [`registry`] (the
 //! shared state and its views), [`http`] (endpoints), [`log`] (stderr lines).
 
 mod cli;
+mod dns_guard;
 mod eds;
 mod events;
 mod http;
@@ -145,6 +146,19 @@ async fn run(cfg: Config) -> Result<(), String> {
     );
     if labels.is_empty() {
         log!("no membership source (--workers, --dns, --workers-file): no workers to watch");
+    }
+    if let Some(guard) = cfg.dns_guard {
+        let upstream = cfg
+            .dns_guard_upstream
+            .or_else(dns_guard::system_upstream)
+            .ok_or("--dns-guard: no --dns-guard-upstream and no nameserver in /etc/resolv.conf")?;
+        let policy = dns_guard::Policy::from_allow(&cfg.dns_guard_allow)?;
+        let socket = tokio::net::UdpSocket::bind(guard)
+            .await
+            .map_err(|e| format!("cannot listen on udp {guard}: {e}"))?;
+        let bound = socket.local_addr().map_err(|e| e.to_string())?;
+        log!("dns guard on udp {bound}, upstream {upstream}");
+        background.push(tokio::spawn(dns_guard::serve(socket, upstream, policy)));
     }
     background.push(tokio::spawn(reconcile(
         sources.clone(),
