@@ -148,10 +148,14 @@ async fn run(cfg: Config) -> Result<(), String> {
         log!("no membership source (--workers, --dns, --workers-file): no workers to watch");
     }
     if let Some(guard) = cfg.dns_guard {
-        let upstream = cfg
-            .dns_guard_upstream
-            .or_else(dns_guard::system_upstream)
-            .ok_or("--dns-guard: no --dns-guard-upstream and no nameserver in /etc/resolv.conf")?;
+        let upstream = match cfg.dns_guard_upstream.or_else(dns_guard::system_upstream) {
+            Some(u) => u,
+            None => {
+                // Nothing to ask: every query gets SERVFAIL, and fetches of names fail closed.
+                log!("dns guard: no --dns-guard-upstream and no nameserver in /etc/resolv.conf");
+                std::net::SocketAddr::from(([127, 0, 0, 1], 53))
+            }
+        };
         let policy = dns_guard::Policy::from_allow(&cfg.dns_guard_allow)?;
         let socket = tokio::net::UdpSocket::bind(guard)
             .await
