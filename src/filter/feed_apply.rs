@@ -399,4 +399,64 @@ mod tests {
             .expect("routed");
         assert_eq!(later.matched_blocks, n);
     }
+
+    #[test]
+    fn the_queue_ahead_of_a_worker_of_unknown_speed_drains_at_the_fleets_mean_speed() {
+        let (store, mut router, mut state) = setup();
+        // `speeds[slot]`: prefill tokens/s reported for the worker in that slot (0 = unknown).
+        let workers = |stored: [u64; 2], speeds: [f32; 2]| {
+            vec![
+                FeedWorker {
+                    capacity: 4000,
+                    metrics_valid: true,
+                    prefill_tps: speeds[0],
+                    ..worker("a", stored[0], 0)
+                },
+                FeedWorker {
+                    capacity: 4000,
+                    metrics_valid: true,
+                    prefill_tps: speeds[1],
+                    ..worker("b", stored[1], 0)
+                },
+            ]
+        };
+        state
+            .apply(
+                &router,
+                &store,
+                &feed(workers([0, 0], [0.0, 0.0]), vec![]),
+                1,
+            )
+            .expect("applies");
+        mark_precise(&store, &router);
+        let b = body(&"a long shared system prompt with many words ".repeat(120));
+        let analysis = analyze(&b, &router.config.router).expect("analyses");
+        let n = analysis.layout.keys.len();
+        let first = route_and_record(&mut router, &store, &analysis);
+        let home = first.target.slot;
+        // The matched worker's speed is unknown; the other one prefills 1,000 tokens/s, a
+        // tenth of the configured default.
+        let (mut stored, mut speeds) = ([0, 0], [1000.0, 1000.0]);
+        stored[home] = 2000;
+        speeds[home] = 0.0;
+        state
+            .apply(
+                &router,
+                &store,
+                &feed(workers(stored, speeds), vec![]),
+                1200,
+            )
+            .expect("applies");
+        // 3.84 s queued on each: 0.6 of the capacity at the default speed (the whole match
+        // evicted by admission), 0.06 at the fleet's mean (it survives).
+        let load = LoadTable::new(router.keys().load());
+        for slot in 0..2 {
+            load.route(&store, slot, 2_000_000, 3_840_000);
+        }
+        let cut = router
+            .route_analysis(&analysis, &store, 2_000_000, 1)
+            .expect("routed");
+        assert_eq!(cut.target.slot, home, "{:?}", cut.estimate);
+        assert_eq!(cut.matched_blocks, n, "{:?}", cut.estimate);
+    }
 }

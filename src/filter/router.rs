@@ -470,7 +470,19 @@ impl Router {
         now_us: u64,
     ) {
         let block = self.config.router.block_size.max(1) as f64;
-        let default_tps = self.config.router.scoring.prefill_tokens_per_sec;
+        // A worker whose speed is not known yet drains its queue at the fleet's mean speed, as
+        // in the cost (`route_analysis`); the configured default only when no speed is known.
+        let known: Vec<f64> = eligible
+            .iter()
+            .filter_map(|&s| live.get(s))
+            .filter(|l| l.prefill_tps > 0.0)
+            .map(|l| f64::from(l.prefill_tps))
+            .collect();
+        let unknown_tps = if known.is_empty() {
+            self.config.router.scoring.prefill_tokens_per_sec
+        } else {
+            known.iter().sum::<f64>() / known.len() as f64
+        };
         for &s in eligible {
             let depth = prefix.depth(s);
             let (Some(l), Some(stamp)) =
@@ -484,7 +496,7 @@ impl Router {
             let speed = if l.prefill_tps > 0.0 {
                 f64::from(l.prefill_tps)
             } else {
-                default_tps
+                unknown_tps
             };
             let queued_s = loads.get(s).map_or(0, |x| x.queued_us(now_us)) as f64 / 1e6;
             let ahead = queued_s * speed / block / f64::from(l.capacity.max(1));
