@@ -15,7 +15,7 @@
 //! so it cannot recompute vLLM's hashes of text blocks (see `docs/SIDECAR.md`).
 //! A new sidecar epoch (a restarted sidecar) resets the totals: its counters start again.
 
-use super::poller::{Event, membership_events};
+use super::events::{Event, membership_events};
 use super::router::Router;
 use crate::feed;
 use crate::state::SharedStore;

@@ -28,8 +28,8 @@
 //! | `mmrouter.fetch_waited` | counter | requests that waited for another request's fetch of one of their URLs |
 //! | `mmrouter.vm_memory_bytes.<vm>` | gauge | each VM's Wasm linear memory (its high-water mark: it never shrinks), set on its tick; `<vm>` is a per-VM random id |
 
+use super::events::Event;
 use super::fetch::{Failure, Plan};
-use super::poller::Event;
 use super::router::Decision;
 use proxy_wasm::hostcalls::{define_metric, increment_metric, record_metric};
 use proxy_wasm::types::MetricType;

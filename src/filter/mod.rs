@@ -7,7 +7,8 @@
 //! - [`router`]: one VM's request path over the shared state ([`crate::state`]): match,
 //!   score ([`crate::scoring`]), record; release a request's load as its phases end.
 //! - [`poller`]: the state writer's tick on the VM that holds the lease: membership,
-//!   decisions into the block buckets, `/metrics` polls; [`feed_apply`]: the sidecar's feed.
+//!   decisions into the block buckets, `/metrics` polls; [`feed_apply`]: the sidecar's feed;
+//!   [`events`]: what they report for the shell to count and log.
 //! - [`fetch`]: images by URL fetched through an Envoy cluster and identified by their bytes;
 //!   [`fetch::guard`] decides which URLs may be fetched.
 //! - [`stamp`]: vLLM's per-item `uuid` written into image parts, so the engine's KV events
@@ -39,6 +40,7 @@
 //! filter never answers a request itself.
 
 pub mod config;
+pub mod events;
 pub mod feed_apply;
 pub mod fetch;
 #[cfg(all(feature = "filter", target_arch = "wasm32"))]

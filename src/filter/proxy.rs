@@ -5,10 +5,11 @@
 //! request on it) on an unexpected one.
 
 use super::config::{DecisionLog, FilterConfig};
+use super::events::Event;
 use super::fetch::guard::{Guard, Target};
 use super::fetch::{Plan, Reply};
 use super::metrics::Metrics;
-use super::poller::{Dispatcher, Event, MAX_POLL_BODY, Poller};
+use super::poller::{Dispatcher, MAX_POLL_BODY, Poller};
 use super::router::{Decision, Fallback, Router};
 use super::stamp;
 use crate::analysis::{Analysis, AnalyzeError, Analyzer, ImageDigest, Overrides, Scanned};
