@@ -24,7 +24,7 @@
 //! Blocks are cached once computed: the prompt's full blocks at the end of prefill, the full
 //! blocks of prompt + output at the end (as vLLM caches generated blocks too).
 
-use crate::metrics::Histogram;
+use crate::histogram::Histogram;
 #[cfg(test)]
 use crate::prefix_cache::NoEvents;
 use crate::prefix_cache::{

@@ -6,12 +6,13 @@
 //! Modules: [`cli`] (arguments), [`http`] (routes and response shapes), [`request`] (the
 //! request parser, strict like vLLM), [`media`] and [`fetch`] (images), [`prompt`] (chat
 //! template and tokens), [`prefix_cache`] (block hashes and the block pool), [`engine`]
-//! (queue, admission, timing), [`metrics`] (`/metrics`), [`kv_publisher`] (KV events over
-//! ZMQ).
+//! (queue, admission, timing), [`histogram`] (its timing histograms), [`metrics`] (`/metrics`),
+//! [`kv_publisher`] (KV events over ZMQ).
 
 mod cli;
 mod engine;
 mod fetch;
+mod histogram;
 mod http;
 mod kv_publisher;
 mod media;
