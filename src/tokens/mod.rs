@@ -48,14 +48,16 @@
 //!
 //! # Where each part lives
 //!
-//! [`Profile`] and the named profiles are in `profile.rs`; [`ProfileParams`], the spec items
-//! and their validation in `params.rs`; the model-name rules ([`ProfileConfig`]) in `rules.rs`.
+//! [`Profile`], its kinds and named profiles are data in `kind.rs`, parsed and counted in
+//! `profile.rs`; [`ProfileParams`], the spec items and their validation in `params.rs`; the
+//! model-name rules ([`ProfileConfig`]) in `rules.rs`.
 //! The counts per family: Qwen's `smart_resize` in `qwen.rs`, Gemma 4's resize in `gemma.rs`,
 //! InternVL's tiles in `internvl.rs` (`fixed` and `factor` are one line each in
 //! [`Profile::image_tokens`]); the Python-exact arithmetic they share in `python_arith.rs`.
 
 mod gemma;
 mod internvl;
+mod kind;
 mod media_defaults;
 mod params;
 mod profile;
@@ -64,9 +66,9 @@ mod qwen;
 mod rules;
 
 pub use gemma::GEMMA4_BUDGETS;
+pub use kind::Profile;
 pub use media_defaults::MediaDefaults;
 pub use params::ProfileParams;
-pub use profile::Profile;
 pub use rules::{BUILTIN_RULES, ProfileConfig, ProfileRule, glob_match};
 
 use std::fmt;

@@ -3,7 +3,7 @@
 //! canonical spec of the result.
 
 use super::gemma::GEMMA4_BUDGETS;
-use super::profile::{Kind, Named, Profile};
+use super::kind::{Kind, Named, Profile};
 use super::{TokenError, bad_spec};
 
 /// Parameter overrides applied on top of a named profile (see the module docs for which key

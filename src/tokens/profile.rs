@@ -1,50 +1,12 @@
-//! [`Profile`]: a resolved token-estimation profile, the named profiles it starts from, and
-//! the count for an image size (dispatching to the family modules).
+//! How a [`Profile`] comes from its spec (the named profiles it starts from, then the
+//! overrides), and its count for an image size (dispatching to the family modules).
 
 use super::gemma::gemma4_tokens;
 use super::internvl::internvl_tiles;
+use super::kind::{Kind, Named, Profile};
 use super::params::{ProfileParams, build};
 use super::qwen::{QWEN3, QWEN25, smart_resize};
 use super::{ImageTokens, TokenError, bad_size, bad_spec};
-use std::fmt;
-
-/// How a profile counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
-    /// Qwen's `smart_resize`.
-    SmartResize {
-        patch_size: u32,
-        merge_size: u32,
-        min_pixels: u64,
-        max_pixels: u64,
-    },
-    /// Gemma 4's aspect-ratio-preserving resize into a soft-token budget.
-    Gemma4 {
-        patch_size: u32,
-        pooling: u32,
-        budget: u32,
-    },
-    /// InternVL's dynamic tiling (448-px tiles plus a thumbnail).
-    Tiles {
-        max_tiles: u32,
-        tokens_per_tile: u32,
-    },
-    Fixed {
-        tokens: u32,
-    },
-    Factor {
-        factor: u64,
-    },
-}
-
-/// A named profile before overrides.
-pub(super) struct Named {
-    pub(super) name: &'static str,
-    pub(super) kind: Kind,
-    pub(super) markers: u32,
-    /// The key a bare number in the spec sets (`gemma4:560`, `fixed:576`).
-    pub(super) positional: Option<&'static str>,
-}
 
 /// The named profile `name` (lower-case), before overrides.
 fn named(name: &str) -> Option<Named> {
@@ -90,25 +52,6 @@ fn named(name: &str) -> Option<Named> {
 
 const NAMES: &str = "qwen2.5-vl, qwen2-vl, qwen3-vl, qwen3.5, gemma3, gemma4[:BUDGET], llava, \
                      internvl[:MAX_TILES], fixed:N, factor:F";
-
-/// A resolved token-estimation profile.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Profile {
-    /// Canonical spec, e.g. `qwen2.5-vl`, `gemma4:560`, `fixed:576`,
-    /// `qwen2.5-vl:max_pixels=1003520`: the name, then the positional number if it differs from
-    /// the default, then every parameter that differs from the named profile. Parsing it gives
-    /// the same profile back. Also what `Display` prints.
-    pub spec: String,
-    pub(super) name: &'static str,
-    pub(super) kind: Kind,
-    pub(super) markers: u32,
-}
-
-impl fmt::Display for Profile {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.spec)
-    }
-}
 
 impl Profile {
     /// Parses a spec: `NAME[:ITEM]*` where an item is a bare number (the profile's positional

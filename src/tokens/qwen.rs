@@ -1,7 +1,7 @@
 //! Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5: transformers' `smart_resize` (the Qwen2-VL
 //! image processor, which transformers uses for all of them), and the two named parameter sets.
 
-use super::profile::Kind;
+use super::kind::Kind;
 use super::python_arith::{int_div, to_u64};
 use super::{TokenError, bad_size};
 

@@ -1,8 +1,8 @@
 //! Choosing a profile by model name: [`ProfileConfig`]'s rules, the built-in rules, and the
 //! glob they match with.
 
+use super::kind::Profile;
 use super::params::ProfileParams;
-use super::profile::Profile;
 use super::{TokenError, bad_spec};
 
 /// Built-in model-name rules (glob, spec), tried after the configured rules and before the
