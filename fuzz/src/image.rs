@@ -108,6 +108,8 @@ fn agree(
 /// the cases are in docs/FUZZING.md and fuzz/regressions/header_*): the reader may refuse
 /// them too.
 ///
+/// - JPEG whose frame precision is not 8 bits: `jpeg-decoder` decodes 12-bit and lossless
+///   frames, Pillow refuses them.
 /// - WebP whose RIFF header claims more bytes than the file has: `image-webp` decodes the
 ///   first frame if its bytes are there, Pillow (libwebp's demuxer) refuses every such file
 ///   ("could not create decoder object"), still or animated.
@@ -117,12 +119,24 @@ fn agree(
 /// the file, "cannot identify image file".)
 fn judged_refused(data: &[u8], format: ImageFormat) -> bool {
     match format {
+        ImageFormat::Jpeg => jpeg_precision(data).is_some_and(|p| p != 8),
         ImageFormat::Webp => data.get(4..8).is_some_and(|b| {
             let riff = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             8 + u64::from(riff) > data.len() as u64
         }),
         _ => false,
     }
+}
+
+/// The sample precision of the first frame header (SOF0-SOF15 but DHT, JPG and DAC) found
+/// by a byte scan. `jpeg-decoder` decodes 12-bit and lossless (2-16 bit) frames; Pillow refuses
+/// every JPEG whose precision is not 8 ("cannot identify image file", judged on
+/// fuzz/regressions/header_jpeg/lossless-9-bit-pillow-refuses), and so may the reader.
+fn jpeg_precision(data: &[u8]) -> Option<u8> {
+    let at = data.windows(2).position(|w| {
+        w[0] == 0xFF && (0xC0..=0xCF).contains(&w[1]) && ![0xC4, 0xC8, 0xCC].contains(&w[1])
+    })?;
+    data.get(at + 4).copied()
 }
 
 /// Whether the file carries something that can be an orientation: TIFF tag 0x0112 in either
