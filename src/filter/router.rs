@@ -270,9 +270,7 @@ impl Router {
             .collect();
         // A worker whose speed is not known yet (it just joined) is assumed as fast as the
         // fleet's mean, not the configured default: new workers are usually like the others.
-        let known: Vec<f64> = candidates.iter().filter_map(|c| c.prefill_tps).collect();
-        if !known.is_empty() {
-            let mean = known.iter().sum::<f64>() / known.len() as f64;
+        if let Some(mean) = mean_known_speed(&live, &eligible) {
             for c in candidates.iter_mut().filter(|c| c.prefill_tps.is_none()) {
                 c.prefill_tps = Some(mean);
             }
@@ -472,17 +470,8 @@ impl Router {
         let block = self.config.router.block_size.max(1) as f64;
         // A worker whose speed is not known yet drains its queue at the fleet's mean speed, as
         // in the cost (`route_analysis`); the configured default only when no speed is known.
-        let known: Vec<f64> = eligible
-            .iter()
-            .filter_map(|&s| live.get(s))
-            .filter(|l| l.prefill_tps > 0.0)
-            .map(|l| f64::from(l.prefill_tps))
-            .collect();
-        let unknown_tps = if known.is_empty() {
-            self.config.router.scoring.prefill_tokens_per_sec
-        } else {
-            known.iter().sum::<f64>() / known.len() as f64
-        };
+        let unknown_tps = mean_known_speed(live, eligible)
+            .unwrap_or(self.config.router.scoring.prefill_tokens_per_sec);
         for &s in eligible {
             let depth = prefix.depth(s);
             let (Some(l), Some(stamp)) =
@@ -701,6 +690,19 @@ impl Router {
     pub fn loads(&self, store: &dyn SharedStore, slots: usize) -> Vec<Load> {
         self.load.read(store, slots)
     }
+}
+
+/// The mean prefill speed of the eligible workers whose speed is known (tokens/s), if any: what
+/// a worker of unknown speed (it just joined) is assumed to run at.
+fn mean_known_speed(live: &LiveTable, eligible: &[usize]) -> Option<f64> {
+    let (sum, n) = eligible
+        .iter()
+        .filter_map(|&s| live.get(s))
+        .filter(|l| l.prefill_tps > 0.0)
+        .fold((0.0, 0u32), |(sum, n), l| {
+            (sum + f64::from(l.prefill_tps), n + 1)
+        });
+    (n > 0).then(|| sum / f64::from(n))
 }
 
 /// What the scorer needs of one worker.
