@@ -45,8 +45,9 @@ pub struct Config {
     pub dns_guard: Option<SocketAddr>,
     /// `--dns-guard-upstream ADDR`, default the first nameserver of /etc/resolv.conf.
     pub dns_guard_upstream: Option<SocketAddr>,
-    /// `--dns-guard-allow LIST`: the filter's `fetch.allow`, comma-separated.
-    pub dns_guard_allow: String,
+    /// `--dns-guard-allow LIST`: the filter's `fetch.allow`, comma-separated, as the guard
+    /// applies it.
+    pub dns_guard_policy: crate::dns_guard::Policy,
 }
 
 /// Default of `--max-blocks-per-worker`: 256 Ki blocks, about 21 MiB per worker at most
@@ -76,7 +77,7 @@ impl Default for Config {
             eds_cluster: "mmrouter_workers".into(),
             dns_guard: None,
             dns_guard_upstream: None,
-            dns_guard_allow: String::new(),
+            dns_guard_policy: crate::dns_guard::Policy::default(),
         }
     }
 }
@@ -242,9 +243,8 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Command, Cli
                 }
             }
             "--dns-guard-allow" => {
-                crate::dns_guard::Policy::from_allow(v)
+                cfg.dns_guard_policy = crate::dns_guard::Policy::from_allow(v)
                     .map_err(|e| CliError(format!("--dns-guard-allow: {e}")))?;
-                cfg.dns_guard_allow = value.clone();
             }
             _ => return Err(CliError(format!("unknown option `{flag}`"))),
         }

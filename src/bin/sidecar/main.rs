@@ -156,13 +156,16 @@ async fn run(cfg: Config) -> Result<(), String> {
                 std::net::SocketAddr::from(([127, 0, 0, 1], 53))
             }
         };
-        let policy = dns_guard::Policy::from_allow(&cfg.dns_guard_allow)?;
         let socket = tokio::net::UdpSocket::bind(guard)
             .await
             .map_err(|e| format!("cannot listen on udp {guard}: {e}"))?;
         let bound = socket.local_addr().map_err(|e| e.to_string())?;
         log!("dns guard on udp {bound}, upstream {upstream}");
-        background.push(tokio::spawn(dns_guard::serve(socket, upstream, policy)));
+        background.push(tokio::spawn(dns_guard::serve(
+            socket,
+            upstream,
+            cfg.dns_guard_policy.clone(),
+        )));
     }
     background.push(tokio::spawn(reconcile(
         sources.clone(),
