@@ -3,7 +3,6 @@ fetch cluster from a local image server (loopback, allowed by config), identifie
 bytes and caches what it learned for every Envoy worker thread."""
 import json
 import re
-import socket
 import subprocess
 import tempfile
 import threading
@@ -311,22 +310,20 @@ class DnsGuard:
     """mmrouter-sidecar serving only its fetch DNS guard (`--dns-guard`) in front of `upstream`."""
 
     def __init__(self, upstream, allow):
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        probe.bind(("127.0.0.1", 0))
-        self.address = "%s:%d" % probe.getsockname()
-        probe.close()
         self.port = free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="dns-guard-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [str(SIDECAR), "--listen", f"127.0.0.1:{self.port}", "--no-events",
-             "--dns-guard", self.address, "--dns-guard-upstream", upstream,
+             "--dns-guard", "127.0.0.1:0", "--dns-guard-upstream", upstream,
              "--dns-guard-allow", ",".join(allow)],
             stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.time() + 20
-        while "dns guard on udp" not in Path(self.log.name).read_text():
+        # It binds a free UDP port and names it in its log.
+        while not (m := re.search(r"dns guard on udp ([^ ,]+)", Path(self.log.name).read_text())):
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError("dns guard did not start: " + Path(self.log.name).read_text())
             time.sleep(0.05)
+        self.address = m.group(1)
 
     def metric(self, name):
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
