@@ -128,15 +128,40 @@ fn judged_refused(data: &[u8], format: ImageFormat) -> bool {
     }
 }
 
-/// The sample precision of the first frame header (SOF0-SOF15 but DHT, JPG and DAC) found
-/// by a byte scan. `jpeg-decoder` decodes 12-bit and lossless (2-16 bit) frames; Pillow refuses
-/// every JPEG whose precision is not 8 ("cannot identify image file", judged on
+/// The sample precision of the frame header that `jpeg-decoder` reads: the first SOF marker
+/// (SOF0-SOF15 but DHT, JPG and DAC) met by walking the segments after SOI as the decoder
+/// does. Bytes before a marker that are not `FF` are skipped (libjpeg's tolerance, which
+/// `jpeg-decoder` copies), fill `FF`s are skipped, `FF 00` is not a marker, and every other
+/// segment is stepped over by its length. A byte scan is not enough: `FF C0` inside an APP
+/// segment is not a frame header (fuzz/regressions/header_jpeg/sof0-inside-app0-before-9-bit-sof3).
+///
+/// `jpeg-decoder` decodes 12-bit and lossless (2-16 bit) frames; Pillow refuses every JPEG whose
+/// precision is not 8 ("cannot identify image file", judged on
 /// fuzz/regressions/header_jpeg/lossless-9-bit-pillow-refuses), and so may the reader.
 fn jpeg_precision(data: &[u8]) -> Option<u8> {
-    let at = data.windows(2).position(|w| {
-        w[0] == 0xFF && (0xC0..=0xCF).contains(&w[1]) && ![0xC4, 0xC8, 0xCC].contains(&w[1])
-    })?;
-    data.get(at + 4).copied()
+    if data.get(..2)? != [0xFF, 0xD8] {
+        return None;
+    }
+    let mut at = 2;
+    loop {
+        at += data.get(at..)?.iter().position(|&b| b == 0xFF)?;
+        at += data.get(at..)?.iter().position(|&b| b != 0xFF)?;
+        let marker = *data.get(at)?;
+        at += 1;
+        match marker {
+            0x00 => continue,
+            0xC4 | 0xC8 | 0xCC => {}
+            0xC0..=0xCF => return data.get(at + 2).copied(),
+            // SOS before a frame, RST, EOI or TEM: the decoder finds no frame here.
+            0x01 | 0xD0..=0xDA => return None,
+            _ => {}
+        }
+        let length = usize::from(u16::from_be_bytes([*data.get(at)?, *data.get(at + 1)?]));
+        if length < 2 {
+            return None;
+        }
+        at += length;
+    }
 }
 
 /// Whether the file carries something that can be an orientation: TIFF tag 0x0112 in either
