@@ -1,0 +1,76 @@
+//! `scoring.home_hold`: a request group (the requests that share a preamble, such as one
+//! system prompt) is kept on its home worker where the request would otherwise recompute the
+//! preamble (docs/ROUTING.md, "Homes for groups").
+
+use super::Router;
+use crate::scoring::{Candidate, Choice, goes_home};
+use crate::state::homes::{Eligible, Homes};
+use crate::state::workers::LiveTable;
+use crate::state::{SharedStore, cas_update};
+
+/// A group is held to its home while it has at most this many workers' shares of the traffic
+/// (`scoring.home_hold`).
+const HOME_MAX_SHARES: f64 = 1.5;
+
+/// Groups the homes table keeps (`scoring.home_hold`): about 23 bytes each, so one read of
+/// the table copies at most 6 KiB.
+const HOME_GROUPS: usize = 256;
+
+impl Router {
+    /// `scoring.home_hold`: counts the request in its group's home (the group is named by the
+    /// key of the preamble's last block) and sends it there when [`goes_home`] says so.
+    /// Returns whether it changed the choice.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn hold_home(
+        &self,
+        keys: &[u64],
+        preamble_blocks: usize,
+        live: &LiveTable,
+        eligible: &[usize],
+        candidates: &[Candidate],
+        choice: &mut Choice,
+        store: &dyn SharedStore,
+        now_ms: u64,
+    ) -> bool {
+        let preamble = preamble_blocks.min(keys.len());
+        let Some(&group) = preamble.checked_sub(1).and_then(|i| keys.get(i)) else {
+            return false;
+        };
+        let workers: Vec<Eligible> = eligible
+            .iter()
+            .filter_map(|&slot| {
+                live.get(slot).map(|l| Eligible {
+                    slot,
+                    incarnation: l.incarnation,
+                })
+            })
+            .collect();
+        let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
+        let half_life = self.config.router.scoring.footprint_half_life_ms;
+        let (mut home, mut table) = (None, Homes::default());
+        cas_update(store, &self.keys.homes(), |bytes| {
+            let mut homes = Homes::decode(bytes);
+            home = homes.visit(group, &workers, preferred, now_ms, half_life, HOME_GROUPS);
+            let encoded = homes.encode();
+            table = homes;
+            Some(encoded)
+        });
+        let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
+            return false;
+        };
+        let slack = self.config.router.scoring.home_load_slack;
+        if !goes_home(choice, candidates, index, preamble, slack) {
+            return false;
+        }
+        // A group with clearly more than one worker's share of the traffic (one application's
+        // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
+        // Up to 1.5 shares are held, so that groups of about one share each (as many groups
+        // as workers) are not let go whenever their recent rates wobble above it. Checked
+        // last: it decays every group's rate, and most requests stop at `goes_home`.
+        if table.share(group, now_ms, half_life) * workers.len() as f64 > HOME_MAX_SHARES {
+            return false;
+        }
+        choice.prefer(index);
+        true
+    }
+}

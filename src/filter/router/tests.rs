@@ -1,0 +1,502 @@
+use super::*;
+use crate::state::MemoryStore;
+use crate::state::writer::{drain, record_poll, sync_members};
+use crate::worker_metrics::{EngineScrape, WorkerMetrics};
+use base64::Engine as _;
+use test_images::png;
+
+fn config(workers: usize) -> FilterConfig {
+    let ws: Vec<String> = (0..workers)
+        .map(|i| format!(r#"{{"name":"w{i}","address":"127.0.0.1:{}"}}"#, 8000 + i))
+        .collect();
+    FilterConfig::from_json(format!(r#"{{"workers":[{}]}}"#, ws.join(",")).as_bytes())
+        .expect("config")
+}
+
+/// A router over `n` workers whose membership the state writer has set up.
+fn router(store: &MemoryStore, n: usize) -> Router {
+    start(store, config(n))
+}
+
+/// A router for `config`, its keys prepared and its configured workers the members.
+fn start(store: &MemoryStore, config: FilterConfig) -> Router {
+    let r = Router::new(config);
+    assert!(r.prepare(store));
+    let desired: Vec<(String, String)> = r
+        .config
+        .workers
+        .iter()
+        .map(|w| (w.name.clone(), w.address.clone()))
+        .collect();
+    sync_members(store, r.keys(), &r.config.state, &desired, 0);
+    r
+}
+
+fn apply(store: &MemoryStore, r: &Router, now_ms: u64) {
+    drain(store, r.keys(), &r.config.state, 60_000, now_ms, 1000);
+}
+
+fn body(image: &[u8], text: &str) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(image);
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
+    )
+    .into_bytes()
+}
+
+fn route(r: &mut Router, store: &MemoryStore, b: &[u8], now_ms: u64, random: u64) -> Decision {
+    r.route(b, store, now_ms * 1000, random)
+        .0
+        .expect("a worker")
+}
+
+#[test]
+fn same_image_goes_back_to_the_worker_that_has_it_even_from_another_vm() {
+    let store = MemoryStore::default();
+    let mut vm1 = router(&store, 4);
+    let mut vm2 = Router::new(config(4));
+    let b = body(&png(640, 480), "what is this");
+    let first = route(&mut vm1, &store, &b, 1000, 3);
+    assert_eq!(first.fallback, None);
+    assert!(first.total_blocks > 10);
+    assert_eq!(first.matched_blocks, 0);
+    assert!(first.recorded);
+    assert!(vm1.finished(&store, &first, 1_100_000, true));
+    apply(&store, &vm1, 1001);
+    let second = route(&mut vm2, &store, &b, 2000, 1);
+    assert_eq!(second.target, first.target);
+    assert_eq!(second.matched_blocks, second.total_blocks);
+    assert_eq!(second.estimate.recompute_s, 0.0);
+}
+
+#[test]
+fn an_exact_repeat_matches_before_the_writer_has_applied_the_decision() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 4);
+    let b = body(&png(500, 400), "same again");
+    let first = route(&mut r, &store, &b, 1000, 3);
+    r.prefill_done(&store, &first, 1_000_400);
+    r.finished(&store, &first, 1_000_500, true);
+    let second = route(&mut r, &store, &b, 1001, 9);
+    assert_eq!(second.target, first.target);
+    assert_eq!(second.matched_blocks, second.total_blocks);
+}
+
+/// The keys of every decision record waiting on the queue, as (first, key count).
+fn queued_records(store: &MemoryStore, r: &Router) -> Vec<(u32, usize)> {
+    let mut out = Vec::new();
+    while let Ok(Some(bytes)) = store.dequeue(&r.keys().decisions()) {
+        let rec = decisions::DecisionRecord::decode(&bytes).expect("a record");
+        out.push((rec.first, rec.keys.len()));
+    }
+    out
+}
+
+#[test]
+fn a_fresh_repeat_costs_the_writer_no_keys_and_a_grown_conversation_restamps_its_chain() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 2);
+    let b = body(&png(500, 400), "same again");
+    let first = route(&mut r, &store, &b, 1000, 3);
+    r.finished(&store, &first, 1_000_500, true);
+    assert_eq!(queued_records(&store, &r), vec![(0, first.total_blocks)]);
+    // Before the writer applies it, the repeat matches through the last-key hint, whose
+    // fresh stamp already stands for the whole chain.
+    let again = route(&mut r, &store, &b, 1001, 9);
+    r.finished(&store, &again, 1_001_500, true);
+    let n = again.total_blocks as u32;
+    assert_eq!(queued_records(&store, &r), vec![(n, 0)]);
+    apply(&store, &r, 1002);
+    let third = route(&mut r, &store, &b, 1003, 5);
+    assert_eq!(third.matched_blocks, third.total_blocks);
+    assert_eq!(queued_records(&store, &r), vec![(n, 0)]);
+    // A longer prompt over the same prefix is recorded from its first key.
+    let longer = body(&png(500, 400), &"and more words ".repeat(80));
+    let grown = route(&mut r, &store, &longer, 1004, 5);
+    assert!(grown.total_blocks > third.total_blocks);
+    assert_eq!(queued_records(&store, &r), vec![(0, grown.total_blocks)]);
+}
+
+#[test]
+fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 2);
+    let b = body(&png(1280, 960), "a long question about this picture");
+    let first = route(&mut r, &store, &b, 0, 0);
+    r.finished(&store, &first, 10_000, true);
+    apply(&store, &r, 10);
+    let home = first.target.slot;
+    // Its worker has a little prefill queued: it still wins.
+    let load = LoadTable::new(r.keys().load());
+    let full_s = first.estimate.prefill_s;
+    load.route(&store, home, 1_000_000, (full_s * 0.5 * 1e6) as u64);
+    let again = route(&mut r, &store, &b, 1000, 0);
+    assert_eq!(again.target.slot, home, "wait {:?}", again.estimate);
+    assert!(again.estimate.wait_s > 0.0);
+    r.finished(&store, &again, 1_000_000, false);
+    // Its queue now holds six times the prompt's prefill: more than the recompute weighed
+    // for the two requests in flight there (one per worker on average: twice, plus the
+    // request's own time). Moving is cheaper.
+    load.route(&store, home, 2_000_000, (full_s * 6.0 * 1e6) as u64);
+    let moved = route(&mut r, &store, &b, 2000, 0);
+    assert_ne!(moved.target.slot, home);
+    let (name, matched, alt) = moved
+        .passed_over
+        .clone()
+        .expect("names what it passed over");
+    assert_eq!(name, first.target.name);
+    assert_eq!(matched, moved.total_blocks);
+    assert!(
+        alt.wait_s > moved.estimate.recompute_s,
+        "{alt:?} vs {:?}",
+        moved.estimate
+    );
+}
+
+#[test]
+fn distinct_images_behind_a_shared_prefix_spread_over_idle_workers() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 4);
+    let mut used = std::collections::HashSet::new();
+    for i in 0..4u32 {
+        let b = body(&png(300 + i, 300), "Describe this image.");
+        let d = route(&mut r, &store, &b, u64::from(i) * 1000, u64::from(i));
+        // Each finishes before the next arrives: only the cache footprint tells them apart.
+        r.finished(&store, &d, u64::from(i) * 1_000_000 + 500_000, true);
+        apply(&store, &r, u64::from(i) * 1000 + 600);
+        used.insert(d.target.slot);
+    }
+    assert_eq!(used.len(), 4, "new content spreads: {used:?}");
+}
+
+fn with_system(system: &str, image: &[u8], text: &str) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(image);
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{text}"}}]}}]}}"#
+    )
+    .into_bytes()
+}
+
+fn home_hold(workers: usize, slack: f64) -> FilterConfig {
+    let ws: Vec<String> = (0..workers)
+        .map(|i| format!(r#"{{"name":"w{i}","address":"127.0.0.1:{}"}}"#, 8000 + i))
+        .collect();
+    let json = format!(
+        r#"{{"workers":[{}],"scoring":{{"home_hold":true,"home_load_slack":{slack}}}}}"#,
+        ws.join(",")
+    );
+    FilterConfig::from_json(json.as_bytes()).expect("config")
+}
+
+/// Two applications (system prompts) taking turns two requests at a time, each with a new image, none
+/// finished before the next: (group, worker, went home) of each.
+fn two_groups(r: &mut Router, store: &MemoryStore) -> Vec<(usize, usize, bool)> {
+    let systems = [
+        "You are assistant one. ".repeat(20),
+        "You are assistant two. ".repeat(20),
+    ];
+    // Both applications seen a few times (their requests finished): each has half the
+    // traffic, no more than one worker's share.
+    for i in 0..6u32 {
+        let g = (i % 2) as usize;
+        let b = with_system(&systems[g], &png(500 + i, 600), "Describe this image.");
+        let d = route(r, store, &b, 0, u64::from(i));
+        apply(store, r, 1);
+        assert!(r.finished(store, &d, 2000, true));
+    }
+    let mut out = Vec::new();
+    for i in 0..8u32 {
+        let g = (i / 2 % 2) as usize;
+        let b = with_system(&systems[g], &png(600 + i, 600), "Describe this image.");
+        let t = u64::from(i);
+        // None finishes: the load spreads them, and only the homes keep groups together.
+        let d = route(r, store, &b, t, u64::from(i));
+        apply(store, r, t + 600);
+        out.push((g, d.target.slot, d.home));
+    }
+    out
+}
+
+#[test]
+fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_ones() {
+    let store = MemoryStore::default();
+    let mut r = start(&store, home_hold(2, 1.0));
+    let went = two_groups(&mut r, &store);
+    let homes: Vec<std::collections::HashSet<usize>> = (0..2)
+        .map(|g| went.iter().filter(|w| w.0 == g).map(|w| w.1).collect())
+        .collect();
+    assert_eq!(homes[0].len(), 1, "group 0 on one worker: {went:?}");
+    assert_eq!(homes[1].len(), 1, "group 1 on one worker: {went:?}");
+    assert_ne!(
+        homes[0], homes[1],
+        "the groups on different workers: {went:?}"
+    );
+    assert!(
+        went.iter().any(|w| w.2),
+        "some went home against the cost: {went:?}"
+    );
+    // Without it, the queues spread each group over both workers.
+    let store = MemoryStore::default();
+    let mut off = home_hold(2, 1.0);
+    off.router.scoring.home_hold = false;
+    let mut plain = start(&store, off);
+    let went = two_groups(&mut plain, &store);
+    assert!(went.iter().all(|w| !w.2));
+    let spread = (0..2)
+        .filter(|&g| {
+            let used: std::collections::HashSet<usize> =
+                went.iter().filter(|w| w.0 == g).map(|w| w.1).collect();
+            used.len() > 1
+        })
+        .count();
+    assert!(spread > 0, "{went:?}");
+}
+
+#[test]
+fn a_home_past_its_load_bound_is_not_held_to() {
+    let store = MemoryStore::default();
+    let mut r = start(&store, home_hold(2, 0.25));
+    let system = "You are assistant one. ".repeat(20);
+    // Another application's traffic first (finished), so that this one's is no more than
+    // one worker's share.
+    let other = "You are assistant two. ".repeat(20);
+    for i in 0..8u32 {
+        let b = with_system(&other, &png(300 + i, 600), "Describe this image.");
+        let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
+        apply(&store, &r, u64::from(i) + 1);
+        assert!(r.finished(&store, &d, (u64::from(i) + 1) * 1000, true));
+    }
+    // None finishes: the home fills up to the bound (ceil(1.25 × mean)), then the rest go
+    // to the other worker.
+    let (mut slots, mut held) = (Vec::new(), false);
+    for i in 0..8u32 {
+        let b = with_system(&system, &png(600 + i, 600), "Describe this image.");
+        let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
+        apply(&store, &r, u64::from(i) + 1);
+        slots.push(d.target.slot);
+        held |= d.home;
+    }
+    assert!(
+        held,
+        "the hold kept some at home against the cost: {slots:?}"
+    );
+    let home = slots[0];
+    let at_home = slots.iter().filter(|&&s| s == home).count();
+    assert!(
+        (4..=5).contains(&at_home),
+        "at most ceil(1.25 × 8 / 2) = 5 at home, and not spread evenly by cost alone: {slots:?}"
+    );
+}
+
+#[test]
+fn an_application_whose_prompt_is_on_every_request_is_not_held_to_one_worker() {
+    // One system prompt on all traffic: more than one worker's share, so the cost
+    // spreads its new content as without homes (with the hold, at 2 workers and the
+    // default bound, every request would go to the one home).
+    let store = MemoryStore::default();
+    let mut r = start(&store, home_hold(2, 1.0));
+    let system = "You are assistant one. ".repeat(20);
+    let mut slots = Vec::new();
+    for i in 0..8u32 {
+        let t = 200 + u64::from(i) * 10;
+        let b = with_system(&system, &png(900 + i, 500), "Describe this image.");
+        let d = route(&mut r, &store, &b, t, u64::from(i));
+        apply(&store, &r, t + 1);
+        assert!(!d.home, "request {i} held home");
+        assert!(r.finished(&store, &d, (t + 5) * 1000, true));
+        slots.push(d.target.slot);
+    }
+    let on_first = slots.iter().filter(|&&s| s == slots[0]).count();
+    assert!(on_first < slots.len(), "spread over both: {slots:?}");
+}
+
+#[test]
+fn the_destination_lists_the_next_best_workers_for_retries() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 4);
+    let d = route(&mut r, &store, &body(&png(90, 90), "x"), 0, 0);
+    assert_eq!(d.destination(0), d.target.address);
+    let list = d.destination(2);
+    let parts: Vec<&str> = list.split(',').collect();
+    assert_eq!(parts.len(), 3);
+    assert_eq!(parts[0], d.target.address);
+    assert_eq!(&parts[1..], &d.alternates[..2]);
+    assert!(!d.alternates.contains(&d.target.address));
+    assert_eq!(
+        d.destination(9).split(',').count(),
+        4,
+        "at most every worker once"
+    );
+}
+
+#[test]
+fn load_is_counted_and_released_through_the_phases() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 2);
+    let d = route(&mut r, &store, &body(&png(100, 100), "x"), 0, 0);
+    let (start, end) = d.prefill_window.expect("window");
+    assert!(end > start);
+    let loads = r.loads(&store, 2);
+    assert_eq!(loads[d.target.slot].inflight, 1);
+    assert_eq!(loads[d.target.slot].queue_until_us, end);
+    assert!(r.prefill_done(&store, &d, start + 10));
+    assert_eq!(r.loads(&store, 2)[d.target.slot].queue_until_us, start + 10);
+    assert!(r.finished(&store, &d, start + 20, true));
+    assert_eq!(r.loads(&store, 2)[d.target.slot].inflight, 0);
+}
+
+/// Moves `slot`'s allocation clock by `blocks` (other requests' allocations).
+fn allocate_elsewhere(store: &MemoryStore, r: &Router, slot: usize, blocks: u64) {
+    crate::state::writer::update_live(store, r.keys(), 0, |t| {
+        if let Some(l) = t.slots.get_mut(slot) {
+            l.clock += blocks;
+        }
+        true
+    });
+}
+
+#[test]
+fn a_request_that_ends_late_keeps_its_blocks_cached_from_its_end_not_its_start() {
+    let capacity = u64::from(config(2).state.capacity_blocks);
+    let image = png(300, 200);
+    let matched_after = |release: bool| {
+        let store = MemoryStore::default();
+        let mut r = router(&store, 2);
+        let d = route(&mut r, &store, &body(&image, "what is this?"), 0, 0);
+        apply(&store, &r, 1);
+        // The request queued and decoded while its worker allocated 0.9 of its capacity
+        // for others; then it ended and its engine freed its blocks.
+        allocate_elsewhere(&store, &r, d.target.slot, capacity * 9 / 10);
+        if release {
+            assert!(
+                r.released(&store, &d, 2_000),
+                "blocks freed after 0.9 capacity are restamped"
+            );
+            apply(&store, &r, 2);
+        }
+        // Half a capacity more: by the routing-time stamps they are evicted.
+        allocate_elsewhere(&store, &r, d.target.slot, capacity / 2);
+        let again = route(&mut r, &store, &body(&image, "what is this?"), 3, 1);
+        (
+            again.target.slot == d.target.slot,
+            again.matched_blocks,
+            d.total_blocks,
+        )
+    };
+    let (same, matched, total) = matched_after(true);
+    assert!(same && matched == total, "{matched}/{total} after release");
+    let (_, matched, _) = matched_after(false);
+    assert_eq!(matched, 0, "without the release the model forgets them");
+}
+
+#[test]
+fn a_request_that_ends_soon_adds_no_record() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 2);
+    let d = route(&mut r, &store, &body(&png(300, 200), "x"), 0, 0);
+    apply(&store, &r, 1);
+    assert!(!r.released(&store, &d, 1_000), "nothing allocated since");
+    assert!(queued_records(&store, &r).is_empty());
+}
+
+#[test]
+fn bad_bodies_fall_back_to_the_least_loaded_worker() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 3);
+    let busy = route(&mut r, &store, &body(&png(64, 64), "a"), 0, 0);
+    let (d, a) = r.route(b"not json", &store, 0, 0);
+    let d = d.expect("a worker");
+    assert_eq!(d.fallback, Some(Fallback::Analyze("bad_json")));
+    assert!(a.is_none());
+    assert_ne!(d.target, busy.target, "least loaded, not the busy one");
+    let mut corrupt = png(64, 64);
+    corrupt.truncate(20);
+    let d = route(&mut r, &store, &body(&corrupt, "a"), 0, 0);
+    assert_eq!(d.fallback, Some(Fallback::Analyze("bad_image")));
+    let mut small = config(3);
+    small.router.limits.max_body_bytes = 10;
+    let mut r = Router::new(small);
+    let d = route(&mut r, &store, &body(&png(64, 64), "a"), 0, 0);
+    assert_eq!(d.fallback, Some(Fallback::TooLarge));
+}
+
+#[test]
+fn no_known_worker_means_no_decision() {
+    let store = MemoryStore::default();
+    let mut r = Router::new(config(2));
+    assert_eq!(r.route(&body(&png(8, 8), "x"), &store, 0, 0).0, None);
+}
+
+#[test]
+fn failing_workers_are_skipped_and_come_back_with_their_cache() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 2);
+    let idle = EngineScrape {
+        load: WorkerMetrics::default(),
+        ..EngineScrape::default()
+    };
+    let b = body(&png(300, 300), "again");
+    let first = route(&mut r, &store, &b, 2000, 5);
+    r.finished(&store, &first, 2_100_000, true);
+    apply(&store, &r, 2100);
+    let keys = r.keys().clone();
+    for t in 0..3 {
+        assert!(!record_poll(
+            &store,
+            &keys,
+            16,
+            3,
+            first.target.slot,
+            None,
+            2100 + t
+        ));
+    }
+    let second = route(&mut r, &store, &b, 2300, 5);
+    assert_ne!(second.target, first.target);
+    let (fallback, _) = r.route(b"{", &store, 2_300_000, 5);
+    assert_ne!(
+        fallback.expect("a worker").target,
+        first.target,
+        "fallbacks avoid it too"
+    );
+    assert!(record_poll(
+        &store,
+        &keys,
+        16,
+        3,
+        first.target.slot,
+        Some(idle),
+        2400
+    ));
+    r.finished(&store, &second, 2_400_000, true);
+    // w0 is eligible again and its cache was kept (w1 has a copy now too: the one with
+    // less recent new content wins).
+    let third = route(&mut r, &store, &b, 2500, 5);
+    assert_eq!(third.matched_blocks, third.total_blocks);
+    let w0_full = third.target == first.target
+        || third
+            .passed_over
+            .as_ref()
+            .is_some_and(|(name, m, _)| *name == first.target.name && *m == third.total_blocks);
+    assert!(w0_full, "{third:?}");
+}
+
+#[test]
+fn least_loaded_spreads_ties() {
+    let loads = vec![Load::default(); 4];
+    let slots = [0, 1, 2, 3];
+    let picks: std::collections::HashSet<usize> = (0..16)
+        .filter_map(|r| least_loaded(&slots, &loads, 0, r))
+        .collect();
+    assert_eq!(picks.len(), 4);
+    let mut loads = loads;
+    for l in loads.iter_mut().take(3) {
+        l.inflight = 1;
+    }
+    assert_eq!(least_loaded(&slots, &loads, 0, 12345), Some(3));
+    assert_eq!(
+        least_loaded(&[0, 1], &loads, 0, 12345).map(|s| s < 2),
+        Some(true)
+    );
+    assert_eq!(least_loaded(&[], &loads, 0, 1), None);
+}
