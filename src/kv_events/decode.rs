@@ -2,7 +2,7 @@
 //! checked against the bytes that remain before anything is allocated (see "Bounds" in
 //! [`super`]).
 
-use super::*;
+use super::{BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent, KvEventError, KvEventLimits};
 
 /// Decodes one msgpack `EventBatch` payload.
 pub fn decode_batch(payload: &[u8], limits: &KvEventLimits) -> Result<EventBatch, KvEventError> {

@@ -1,7 +1,7 @@
 //! Writing msgpack as msgspec writes it (the smallest form of each int, floats as float64):
 //! what vLLM would send, for the mock worker and the round-trip tests.
 
-use super::*;
+use super::{EngineHash, EventBatch, ExtraKey, HashEncoding, KvEvent, WireForm};
 
 pub(super) struct Writer {
     pub(super) out: Vec<u8>,
