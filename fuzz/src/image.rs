@@ -134,6 +134,8 @@ fn judged_refused(data: &[u8], format: ImageFormat) -> bool {
 /// `jpeg-decoder` copies), fill `FF`s are skipped, `FF 00` is not a marker, and every other
 /// segment is stepped over by its length. A byte scan is not enough: `FF C0` inside an APP
 /// segment is not a frame header (fuzz/regressions/header_jpeg/sof0-inside-app0-before-9-bit-sof3).
+/// It follows the reference's walk, not the reader's (`mmrouter::image_header`): the reader is
+/// what the check judges, so its walker cannot be the judge.
 ///
 /// `jpeg-decoder` decodes 12-bit and lossless (2-16 bit) frames; Pillow refuses every JPEG whose
 /// precision is not 8 ("cannot identify image file", judged on
