@@ -17,7 +17,9 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-SYSTEM_ORDER = ("mmrouter", "sglang", "sglang-bal", "envoy-rr", "bound", "sim")
+SYSTEM_ORDER = ("mmrouter", "sglang", "sglang-bal", "envoy-rr", "bound", "sim", "sim-online")
+# References, not routers: no latency, no errors, no requests per worker of their own.
+REFERENCES = ("bound", "sim", "sim-online")
 ROUTER_SYSTEMS = ("mmrouter", "sglang", "sglang-bal", "envoy-rr")
 CACHE_FAMILIES = ("tight-256", "tight-1024", "sessions")  # one trace, three cache sizes
 
@@ -150,7 +152,7 @@ def aggregate(runs):
             row["prediction_mae_tokens"] = round(_mean([p["mae_tokens"] for p in preds]), 1)
             row["prediction_bias_tokens"] = round(_mean([p["bias_tokens"] for p in preds]), 1)
             row["prediction_mae_over_prompt"] = r3(_mean([p["mae_over_prompt"] for p in preds]))
-        if key[2] == "sim":
+        if key[2] in ("sim", "sim-online"):
             row["policies_won"] = sorted({r.get("policy") for r in rs})
         rows[key] = row
     return rows
@@ -181,17 +183,17 @@ def table(rows):
         hr = "-" if r["hit_rate"] is None else (
             f"{r['hit_rate']:.3f}" + (f" [{r['hit_rate_min']:.3f}, {r['hit_rate_max']:.3f}]"
                                       if r["runs"] > 1 else ""))
-        lat = r["system"] not in ("bound", "sim")
+        lat = r["system"] not in REFERENCES
         ttft = f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])}" if lat else "-"
         e2e = f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])}" if lat else "-"
         pw = "/".join(str(c) for c in r.get("per_worker_sorted", [])) or "-"
-        if r["system"] == "sim":
+        if r["system"] in ("sim", "sim-online"):
             pw = ", ".join(r.get("policies_won", []))
         moved = (f"{r['followups_switched'][0]}/{r['followups_switched'][1]}"
                  if r.get("followups_switched") and lat else "-")
         pred = (f"{r['prediction_mae_tokens']:.0f} / {r['prediction_bias_tokens']:+.0f}"
                 if "prediction_mae_tokens" in r else "-")
-        errors = str(r["errors"]) if r["system"] != "sim" else "-"
+        errors = str(r["errors"]) if r["system"] not in REFERENCES else "-"
         out.append(f"| {r['family']} | {r['workers']} | {r['system']} | {hr} | {ttft} | {e2e} | "
                    f"{pw} | {moved} | {errors} | {pred} |")
     return "\n".join(out)
@@ -210,7 +212,7 @@ def family_lines(rows):
         parts = []
         win = []
         for w in ws:
-            routers = sorted((r for s, r in by_w[w].items() if s not in ("bound", "sim")
+            routers = sorted((r for s, r in by_w[w].items() if s not in REFERENCES
                               and r["hit_rate"] is not None), key=lambda r: -r["hit_rate"])
             if routers:
                 m = routers[0]["hit_rate"] - routers[1]["hit_rate"] if len(routers) > 1 else 0.0
@@ -232,7 +234,7 @@ def family_lines(rows):
                 out.append(t)
             return ", ".join(out)
 
-        for b in ("sglang", "bound", "sim"):
+        for b in ("sglang", "bound", "sim", "sim-online"):
             t = pair("mmrouter", b, "hit_rate", ".3f", ratio=True, loss=(b == "sglang"))
             if t:
                 parts.append(f"mmrouter vs {b} hit: {t}")
@@ -255,7 +257,8 @@ def plots(rows, out_dir):
     written = []
     systems = [s for s in SYSTEM_ORDER if any(k[2] == s for k in rows)]
     systems += sorted({k[2] for k in rows} - set(systems))
-    style = {"bound": dict(linestyle="--", color="black"), "sim": dict(linestyle=":", color="gray")}
+    style = {"bound": dict(linestyle="--", color="black"), "sim": dict(linestyle=":", color="gray"),
+             "sim-online": dict(linestyle="-.", color="silver")}
 
     def draw(path, panels, xlabel, ylabel, key, logx=False, with_refs=True):
         if not panels:
@@ -263,7 +266,7 @@ def plots(rows, out_dir):
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
         for ax, (title, xs_by_sys) in zip(axes[0], panels):
             for s in systems:
-                if (s in ("bound", "sim")) and not with_refs:
+                if s in REFERENCES and not with_refs:
                     continue
                 pts = sorted(xs_by_sys.get(s, []))
                 pts = [(x, r) for x, r in pts if r.get(key) is not None]

@@ -310,7 +310,7 @@ def main(argv):
         for f in families:
             for w in workers:
                 for seed in seeds:
-                    if (f, w, seed, "sim", 0) in done:
+                    if (f, w, seed, "sim", 0) in done and (f, w, seed, "sim-online", 0) in done:
                         continue
                     c = plan.cell(f, seed, a.trace)
                     b = sim.bound_sim(c["order"], w, c["gpu_blocks"], BLOCK_SIZE)
@@ -320,6 +320,13 @@ def main(argv):
                                     "policies": b["policies"],
                                     "per_worker": {f"w{i}": n for i, n in enumerate(b["per_worker"])},
                                     "requests": len(c["requests"]), "errors": 0})
+                    # The same pools and order with the policy that knows only the past.
+                    results.append({"family": f, "workers": w, "seed": seed,
+                                    "system": "sim-online", "repeat": 0,
+                                    "gpu_blocks": c["gpu_blocks"],
+                                    "hit_rate": b["policies"][sim.ONLINE_POLICY],
+                                    "policy": sim.ONLINE_POLICY, "requests": len(c["requests"]),
+                                    "errors": 0})
         save()
 
     for i, (f, w, seed, s, rep) in enumerate(todo):

@@ -9,9 +9,11 @@ the full blocks of prompt + output at the end.
 
 `simulate(requests, workers, capacity, policy)` replays a trace's requests one at a time, in
 a fixed nominal order, through `workers` such pools, each request sent to the worker the
-policy picks. Policies know the whole trace (what is asked later, when sessions end):
+policy picks. All but `greedy` know the whole trace (what is asked later, when sessions end):
 
-- `greedy`: the worker with the longest hit; ties to the one with the fewest requests;
+- `greedy`: the worker with the longest hit; ties to the one with the fewest requests. It
+  knows only the past, with exact state: the harness reports it alone as `sim-online`, the
+  reference for what a router that does not see the future reaches on these pools;
 - `sticky`: a session's turns stay on the worker of its first turn; a first turn goes to the
   longest hit, ties to the worker with the fewest sessions still running (clairvoyant);
 - `lookahead`: the longest hit minus the blocks this request would evict from that worker
@@ -142,6 +144,7 @@ def nominal_order(requests, arrival, prefill_tps, decode_tps, encoder_ms):
 # ----------------------------------------------------------------------------- policies
 
 POLICIES = ("greedy", "sticky", "lookahead", "sticky-lookahead")
+ONLINE_POLICY = "greedy"  # the one that uses nothing from later in the trace
 
 
 def simulate(order, workers, capacity, policy, block_size=16):
