@@ -4,24 +4,29 @@
 //! SDK's trait helpers, which `unwrap()` host statuses and would abort the VM (and every
 //! request on it) on an unexpected one.
 
+mod held;
+mod host;
+mod lines;
+
+use self::held::{Waiting, complete, on_fetch_reply, poll_waiting};
+use self::host::{HostDispatcher, HostStore, log, now_us};
+use self::lines::{decision_line, fetch_line};
 use super::config::{DecisionLog, FilterConfig};
-use super::events::Event;
-use super::fetch::guard::{Guard, Target};
-use super::fetch::{Plan, Reply};
+use super::fetch::Plan;
+use super::fetch::guard::Guard;
 use super::metrics::Metrics;
-use super::poller::{Dispatcher, MAX_POLL_BODY, Poller};
+use super::poller::{MAX_POLL_BODY, Poller};
 use super::router::{Decision, Fallback, Router};
 use super::stamp;
-use crate::analysis::{Analysis, AnalyzeError, Analyzer, ImageDigest, Overrides, Scanned};
-use crate::state::{SharedStore, StoreError};
+use crate::analysis::{Analysis, Analyzer};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 use xxhash_rust::xxh3::xxh3_64;
 
 proxy_wasm::main! {{
@@ -35,99 +40,8 @@ const STEERING_HEADERS: [&str; 2] = [
     "x-envoy-original-dst-host",
 ];
 
-/// proxy-wasm shared data and queues through the host calls.
-#[derive(Default)]
-struct HostStore {
-    /// Queue name → token (registered once per VM).
-    queues: RefCell<HashMap<String, u32>>,
-}
-
-impl HostStore {
-    fn queue(&self, name: &str) -> Result<u32, StoreError> {
-        if let Some(t) = self.queues.borrow().get(name) {
-            return Ok(*t);
-        }
-        let token =
-            hostcalls::register_shared_queue(name).map_err(|s| StoreError::Host(s as u32))?;
-        self.queues.borrow_mut().insert(name.to_string(), token);
-        Ok(token)
-    }
-}
-
-impl SharedStore for HostStore {
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
-        match hostcalls::get_shared_data(key) {
-            Ok((Some(bytes), Some(cas))) => Ok(Some((bytes, cas))),
-            Ok((Some(bytes), None)) => Ok(Some((bytes, 0))),
-            Ok((None, _)) => Ok(None),
-            Err(status) => Err(StoreError::Host(status as u32)),
-        }
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
-            Ok(()) => Ok(()),
-            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
-            Err(status) => Err(StoreError::Host(status as u32)),
-        }
-    }
-
-    fn enqueue(&self, queue: &str, value: &[u8]) -> Result<(), StoreError> {
-        let token = self.queue(queue)?;
-        hostcalls::enqueue_shared_queue(token, Some(value)).map_err(|s| StoreError::Host(s as u32))
-    }
-
-    fn dequeue(&self, queue: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let token = self.queue(queue)?;
-        hostcalls::dequeue_shared_queue(token).map_err(|s| StoreError::Host(s as u32))
-    }
-}
-
-/// HTTP calls through `dispatch_http_call`.
-struct HostDispatcher;
-
-impl Dispatcher for HostDispatcher {
-    fn get(
-        &mut self,
-        cluster: &str,
-        authority: &str,
-        path: &str,
-        header: Option<(&str, &str)>,
-        timeout_ms: u64,
-    ) -> Option<u32> {
-        let mut headers = vec![
-            (":method", "GET"),
-            (":path", path),
-            (":authority", authority),
-        ];
-        if let Some(h) = header {
-            headers.push(h);
-        }
-        hostcalls::dispatch_http_call(
-            cluster,
-            headers,
-            None,
-            vec![],
-            Duration::from_millis(timeout_ms),
-        )
-        .ok()
-    }
-}
-
 /// The most body bytes one `get_buffer` copies into the VM (see `feed_new_bytes`).
 const READ_WINDOW: usize = 256 * 1024;
-
-fn log(level: LogLevel, message: &str) {
-    let _ = hostcalls::log(level, message);
-}
-
-fn now_us() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
 
 struct Shared {
     router: Router,
@@ -145,162 +59,6 @@ struct Shared {
     /// Decisions made outside a stream's own callbacks (a fetch answered, a tick), picked up
     /// by the stream's next callback.
     decided: HashMap<u32, Decision>,
-}
-
-/// A request held until its images by URL are fetched (or its deadline).
-struct Waiting {
-    scanned: Scanned,
-    plan: Plan,
-    /// Media index → URL, for a URL waited for that must be claimed again.
-    urls: Vec<(usize, String)>,
-    body_size: usize,
-    content_length: Option<usize>,
-    random: u64,
-    /// Some image waited for another request's fetch.
-    waited: bool,
-}
-
-/// Bytes of a fetched image copied into the VM at a time.
-const FETCH_PIECE: usize = 64 << 10;
-
-/// Sends the GETs `plan` asks for, from the current context.
-fn dispatch_fetches(plan: &mut Plan, s: &Shared, now_ms: u64) {
-    let config = &s.router.config.fetch;
-    for (pos, target) in plan.to_send() {
-        let left = plan.deadline_ms.saturating_sub(now_ms).max(1);
-        let timeout = config.timeout_ms.min(left);
-        let token = fetch_get(config, &target, timeout);
-        plan.sent(pos, token, config, &s.store, s.router.keys(), now_ms);
-    }
-}
-
-fn fetch_get(config: &super::fetch::FetchConfig, target: &Target, timeout_ms: u64) -> Option<u32> {
-    let cluster = config.cluster_for(target);
-    let address = match target.host.parse::<std::net::IpAddr>() {
-        Ok(std::net::IpAddr::V6(_)) => format!("[{}]:{}", target.host, target.port),
-        _ => format!("{}:{}", target.host, target.port),
-    };
-    let mut headers = vec![
-        (":method", "GET"),
-        (":path", target.path.as_str()),
-        (":authority", target.authority.as_str()),
-        (":scheme", target.scheme.name()),
-        ("accept", "image/*"),
-        // Names the fetcher to image servers (and lets tests tell it from the workers' GETs).
-        ("user-agent", "mmrouter-fetch"),
-    ];
-    if super::fetch::FetchConfig::by_address(target) {
-        headers.push((config.address_header.as_str(), address.as_str()));
-    }
-    hostcalls::dispatch_http_call(
-        &cluster,
-        headers,
-        None,
-        vec![],
-        Duration::from_millis(timeout_ms),
-    )
-    .ok()
-}
-
-/// Reads the answer to a fetch now being delivered: status, and the image read in pieces
-/// (hashed and its header read as they come, nothing kept).
-fn read_fetch_reply(num_headers: usize, body_size: usize, max_bytes: u32) -> Reply {
-    if num_headers == 0 {
-        return Reply::None;
-    }
-    let header = |name: &str| {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
-            .ok()
-            .flatten()
-    };
-    let status = header(":status").and_then(|v| v.parse::<u16>().ok());
-    if let Some(refusal) = Reply::refusal(
-        status,
-        header(super::fetch::guard::REFUSED_HEADER).as_deref(),
-    ) {
-        return Reply::Refused(refusal);
-    }
-    match status {
-        Some(200) => {}
-        Some(301 | 302 | 303 | 307 | 308) => {
-            return match header("location") {
-                Some(l) => Reply::Redirect(l),
-                None => Reply::Status,
-            };
-        }
-        _ => return Reply::Status,
-    }
-    if body_size > max_bytes as usize {
-        return Reply::TooLarge;
-    }
-    let mut digest = ImageDigest::new();
-    let mut at = 0;
-    while at < body_size {
-        let n = FETCH_PIECE.min(body_size - at);
-        match hostcalls::get_buffer(BufferType::HttpCallResponseBody, at, n) {
-            Ok(Some(piece)) if !piece.is_empty() => {
-                at += piece.len();
-                digest.feed(&piece);
-            }
-            _ => return Reply::None,
-        }
-    }
-    Reply::Image(digest.finish())
-}
-
-impl Shared {
-    fn log_events(&self, events: &[Event]) {
-        for e in events {
-            self.metrics.event(e);
-            let line = match e {
-                Event::BecameWriter => Some((
-                    LogLevel::Info,
-                    "this VM now writes the shared state".to_string(),
-                )),
-                Event::Joined { name, address } => {
-                    Some((LogLevel::Info, format!("worker {name} joined at {address}")))
-                }
-                Event::Left { name } => Some((LogLevel::Info, format!("worker {name} left"))),
-                Event::Poll {
-                    name,
-                    ok: false,
-                    why,
-                    transition: true,
-                } => Some((
-                    LogLevel::Warn,
-                    format!(
-                        "worker {name} is unhealthy: its polls fail: {}",
-                        why.as_deref().unwrap_or("?")
-                    ),
-                )),
-                Event::Poll {
-                    name,
-                    ok: true,
-                    transition: true,
-                    ..
-                } => Some((LogLevel::Info, format!("worker {name} is healthy again"))),
-                Event::Feed { ok: false, why } => Some((
-                    LogLevel::Warn,
-                    format!(
-                        "sidecar feed poll failed: {}",
-                        why.as_deref().unwrap_or("?")
-                    ),
-                )),
-                Event::Precise(true) => Some((
-                    LogLevel::Info,
-                    "sidecar feed fresh: routing in precise mode".to_string(),
-                )),
-                Event::Precise(false) => Some((
-                    LogLevel::Warn,
-                    "sidecar feed stale or gone: routing in approximate mode".to_string(),
-                )),
-                _ => None,
-            };
-            if let Some((level, line)) = line {
-                log(level, &line);
-            }
-        }
-    }
 }
 
 #[derive(Default)]
@@ -575,69 +333,6 @@ impl FilterStream {
         false
     }
 
-    /// The request's images by URL (fetching on): fetched in parallel, or found in the shared
-    /// cache. None when the request waits (held in `s.waiting` until settled or its deadline),
-    /// else the settled request to route now.
-    fn plan_fetches(
-        &mut self,
-        s: &mut Shared,
-        scanned: Scanned,
-        now_us: u64,
-        random: u64,
-    ) -> Option<Waiting> {
-        let urls: Vec<(usize, String)> = match &s.guard {
-            Some(_) => scanned
-                .url_images()
-                .into_iter()
-                .map(|(i, u)| (i, u.to_string()))
-                .collect(),
-            None => Vec::new(),
-        };
-        let now_ms = now_us / 1000;
-        let mut plan = match &s.guard {
-            Some(guard) if !urls.is_empty() => {
-                let refs: Vec<(usize, &str)> = urls.iter().map(|(i, u)| (*i, u.as_str())).collect();
-                let claim = xxh3_64(
-                    &[
-                        s.holder.to_le_bytes(),
-                        u64::from(self.context_id).to_le_bytes(),
-                        now_us.to_le_bytes(),
-                    ]
-                    .concat(),
-                );
-                Plan::new(
-                    &refs,
-                    &s.router.config.fetch,
-                    guard,
-                    &s.store,
-                    s.router.keys(),
-                    claim,
-                    now_ms,
-                )
-            }
-            _ => Plan::empty(),
-        };
-        dispatch_fetches(&mut plan, s, now_ms);
-        let waited = plan
-            .items
-            .iter()
-            .any(|i| i.step == super::fetch::Step::Waiting);
-        let w = Waiting {
-            scanned,
-            plan,
-            urls,
-            body_size: self.body_size,
-            content_length: self.content_length,
-            random,
-            waited,
-        };
-        if w.plan.settled() {
-            return Some(w);
-        }
-        s.waiting.insert(self.context_id, w);
-        None
-    }
-
     /// A decision made while this stream was held (see `Shared::decided`).
     fn pick_up_decision(&mut self, s: &mut Shared) {
         if self.decision.is_none() {
@@ -680,139 +375,6 @@ fn apply(s: &mut Shared, decision: Option<Decision>, fetch: Option<&Plan>) -> Op
     Some(decision)
 }
 
-/// `; images by URL: 1 fetched, 1 cached, 1 failed (no_response)`.
-fn fetch_line(plan: &Plan) -> String {
-    let (fetched, cached, failed) = plan.counts();
-    if fetched + cached + failed == 0 {
-        return String::new();
-    }
-    let mut line = format!("; images by URL: {fetched} fetched, {cached} cached, {failed} failed");
-    let reasons: Vec<&str> = plan.failures().iter().map(|f| f.reason()).collect();
-    if !reasons.is_empty() {
-        line.push_str(&format!(" ({})", reasons.join(", ")));
-    }
-    line
-}
-
-/// Routes a request whose images by URL are settled: analysis with the fetched identities,
-/// decision, stamping, destination header. `ctx`: the held stream's id when this runs outside
-/// its own callbacks (the decision is then kept in `s.decided` and the request resumed).
-/// Returns the decision when `ctx` is None.
-fn complete(s: &mut Shared, w: Waiting, ctx: Option<u32>) -> Option<Decision> {
-    if let Some(ctx) = ctx {
-        let _ = hostcalls::set_effective_context(ctx);
-    }
-    let Waiting {
-        scanned,
-        plan,
-        body_size,
-        content_length,
-        random,
-        waited,
-        ..
-    } = w;
-    let result: Result<Analysis, AnalyzeError> = scanned.finish(
-        &s.router.config.router,
-        Overrides::default(),
-        &plan.fetched(),
-    );
-    let (decision, analysis) = s.router.route_analyzed(result, &s.store, now_us(), random);
-    if let Some(a) = &analysis {
-        s.metrics.skipped(a.skipped_count);
-        if s.router.config.stamp_uuid && decision.is_some() {
-            stamp_uuids(a, body_size, content_length, s);
-        }
-    }
-    if !plan.items.is_empty() {
-        s.metrics.fetch(&plan, waited);
-    }
-    let decision = apply(s, decision, Some(&plan));
-    match ctx {
-        None => decision,
-        Some(ctx) => {
-            if let Some(d) = decision {
-                s.decided.insert(ctx, d);
-            }
-            let _ = hostcalls::resume_http_request();
-            None
-        }
-    }
-}
-
-/// The answer to a fetch of held stream `ctx`.
-fn on_fetch_reply(
-    s: &mut Shared,
-    ctx: u32,
-    token: u32,
-    num_headers: usize,
-    body_size: usize,
-    from_root: bool,
-) {
-    let Some(mut w) = s.waiting.remove(&ctx) else {
-        return;
-    };
-    let reply = read_fetch_reply(num_headers, body_size, s.router.config.fetch.max_bytes);
-    let now_ms = now_us() / 1000;
-    if let Some(guard) = &s.guard {
-        w.plan.on_reply(
-            token,
-            reply,
-            &s.router.config.fetch,
-            guard,
-            &s.store,
-            s.router.keys(),
-            now_ms,
-        );
-    }
-    if from_root {
-        // Sent from the root context, their answers come back to it.
-        dispatch_fetches(&mut w.plan, s, now_ms);
-    } else {
-        let _ = hostcalls::set_effective_context(ctx);
-        dispatch_fetches(&mut w.plan, s, now_ms);
-    }
-    settle_or_hold(s, ctx, w);
-}
-
-fn settle_or_hold(s: &mut Shared, ctx: u32, w: Waiting) {
-    if w.plan.settled() {
-        complete(s, w, Some(ctx));
-    } else {
-        s.waiting.insert(ctx, w);
-    }
-}
-
-/// On the root's tick: the held requests look again at the URLs they wait for (another
-/// request's fetch), take over claims that expired, and give up at their deadline.
-fn poll_waiting(s: &mut Shared) {
-    if s.waiting.is_empty() {
-        return;
-    }
-    let Some(guard) = s.guard.clone() else {
-        return;
-    };
-    let now_ms = now_us() / 1000;
-    let ids: Vec<u32> = s.waiting.keys().copied().collect();
-    for ctx in ids {
-        let Some(mut w) = s.waiting.remove(&ctx) else {
-            continue;
-        };
-        let urls = w.urls.clone();
-        let url_of = move |i: usize| urls.iter().find(|(j, _)| *j == i).map(|(_, u)| u.clone());
-        w.plan.poll(
-            &s.router.config.fetch,
-            &guard,
-            &s.store,
-            s.router.keys(),
-            now_ms,
-            &url_of,
-        );
-        // Sent from the root context: their answers come to the root, which hands them on.
-        dispatch_fetches(&mut w.plan, s, now_ms);
-        settle_or_hold(s, ctx, w);
-    }
-}
-
 /// Writes vLLM's `uuid` into the image parts that need one (see [`stamp`]): reads the body up
 /// to the last insertion point, replaces that prefix with the stamped one (Envoy replaces a
 /// prefix of the buffer, it cannot insert in the middle) and fixes `content-length`.
@@ -844,44 +406,6 @@ fn stamp_uuids(
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&new));
     }
     s.metrics.stamped(insertions.len());
-}
-
-/// The `[ROUTING]` log line: what was chosen and what it was weighed against. Only numbers,
-/// validated worker names and fixed words: nothing from the request reaches the log.
-fn decision_line(d: &Decision) -> String {
-    match d.fallback {
-        Some(why) => format!(
-            "[ROUTING] Fallback: {} (least loaded), reason {}",
-            d.target.name,
-            why.reason()
-        ),
-        None => {
-            let e = d.estimate;
-            let mut line = format!(
-                "[ROUTING] Best: {} with {}/{} blocks overlap; wait {:.1} ms, prefill {:.1} ms, recompute {:.1} ms ({})",
-                d.target.name,
-                d.matched_blocks,
-                d.total_blocks,
-                e.wait_s * 1e3,
-                e.prefill_s * 1e3,
-                e.recompute_s * 1e3,
-                if d.precise { "precise" } else { "approximate" },
-            );
-            if d.home {
-                line.push_str("; its group's home");
-            }
-            if let Some((name, matched, alt)) = &d.passed_over {
-                line.push_str(&format!(
-                    "; passed over {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms > {:.1} ms",
-                    d.total_blocks,
-                    alt.wait_s * 1e3,
-                    alt.cost_s * 1e3,
-                    e.cost_s * 1e3,
-                ));
-            }
-            line
-        }
-    }
 }
 
 impl HttpContext for FilterStream {
