@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""mmrouter against SGLang over several harness runs: one pair per (run, seed), pooled.
+
+    python3 benches/compare/pool.py [--against SYSTEM] DIR[:SYSTEM] ...
+        # DIR:SYSTEM: mmrouter's row in that run (default mmrouter); --against: sglang
+
+Single runs of a tight-cache cell move by about ±0.04, so one run's ratio says little. This
+takes every run directory given (each a `scripts/bench-compare --out`), pairs mmrouter's
+hit rate with SGLang's (or --against's) of the same run, family, worker count and seed, and prints per family
+and worker count: pairs, mean hit rates, their ratio, the mean difference ± its standard
+error, the pairs where mmrouter was at or above, and the mean of the runs' TTFT p99 (with the
+pairs where mmrouter's was lower or equal). A markdown table on stdout.
+"""
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+
+def pairs(spec, against):
+    path, _, system = spec.partition(":")
+    system = system or "mmrouter"
+    results = json.loads((Path(path) / "results.json").read_text())
+    by = {(r["family"], r["workers"], r["seed"], r["system"]): r for r in results}
+    for (fam, w, seed, s), r in by.items():
+        g = by.get((fam, w, seed, against))
+        if s == system and g and r.get("hit_rate") is not None and g.get("hit_rate") is not None:
+            yield (fam, w), r, g
+
+
+def main(argv):
+    against = "sglang"
+    if "--against" in argv:
+        i = argv.index("--against")
+        against = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    cells = {}
+    for spec in argv:
+        for key, r, g in pairs(spec, against):
+            cells.setdefault(key, []).append((r, g))
+    print(f"| family | workers | pairs | mmrouter | {against} | ratio | difference ± SE | mmrouter ≥ "
+          f"{against} | TTFT p99 s, mmrouter / {against} (mmrouter lower or equal) |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---|")
+    for (fam, w), ps in sorted(cells.items()):
+        a = [r["hit_rate"] for r, _ in ps]
+        b = [g["hit_rate"] for _, g in ps]
+        d = [x - y for x, y in zip(a, b)]
+        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        ma, mb = statistics.fmean(a), statistics.fmean(b)
+        pa = [r.get("ttft_p99") for r, _ in ps]
+        pb = [g.get("ttft_p99") for _, g in ps]
+        if None in pa or None in pb:
+            p99 = "-"
+        else:
+            lower = sum(1 for x, y in zip(pa, pb) if x <= y)
+            p99 = f"{statistics.fmean(pa):.2f} / {statistics.fmean(pb):.2f} ({lower} of {len(ps)})"
+        print(f"| {fam} | {w} | {len(ps)} | {ma:.3f} | {mb:.3f} | {ma / mb:.2f}× | "
+              f"{statistics.fmean(d):+.3f} ± {se:.3f} | {sum(1 for x in d if x >= 0)} | {p99} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[-1] == "--against":
+        sys.exit(__doc__)
+    main(sys.argv[1:])
