@@ -19,7 +19,8 @@ from pathlib import Path
 
 SYSTEM_ORDER = ("mmrouter", "sglang", "sglang-bal", "envoy-rr", "bound", "sim", "sim-online")
 # References, not routers: no latency, no errors, no requests per worker of their own.
-REFERENCES = ("bound", "sim", "sim-online")
+SIMULATED = ("sim", "sim-online")  # offline (sim.py): a policy, no requests per worker
+REFERENCES = ("bound",) + SIMULATED
 ROUTER_SYSTEMS = ("mmrouter", "sglang", "sglang-bal", "envoy-rr")
 CACHE_FAMILIES = ("tight-256", "tight-1024", "sessions")  # one trace, three cache sizes
 
@@ -152,7 +153,7 @@ def aggregate(runs):
             row["prediction_mae_tokens"] = round(_mean([p["mae_tokens"] for p in preds]), 1)
             row["prediction_bias_tokens"] = round(_mean([p["bias_tokens"] for p in preds]), 1)
             row["prediction_mae_over_prompt"] = r3(_mean([p["mae_over_prompt"] for p in preds]))
-        if key[2] in ("sim", "sim-online"):
+        if key[2] in SIMULATED:
             row["policies_won"] = sorted({r.get("policy") for r in rs})
         rows[key] = row
     return rows
@@ -187,7 +188,7 @@ def table(rows):
         ttft = f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])}" if lat else "-"
         e2e = f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])}" if lat else "-"
         pw = "/".join(str(c) for c in r.get("per_worker_sorted", [])) or "-"
-        if r["system"] in ("sim", "sim-online"):
+        if r["system"] in SIMULATED:
             pw = ", ".join(r.get("policies_won", []))
         moved = (f"{r['followups_switched'][0]}/{r['followups_switched'][1]}"
                  if r.get("followups_switched") and lat else "-")
@@ -234,7 +235,7 @@ def family_lines(rows):
                 out.append(t)
             return ", ".join(out)
 
-        for b in ("sglang", "bound", "sim", "sim-online"):
+        for b in ("sglang",) + REFERENCES:
             t = pair("mmrouter", b, "hit_rate", ".3f", ratio=True, loss=(b == "sglang"))
             if t:
                 parts.append(f"mmrouter vs {b} hit: {t}")

@@ -6,14 +6,17 @@
 Fails (exit 1, with the reasons) unless: report.md holds the table; every system of the run
 has a row per family and worker count; hit rates are numbers in [0, 1]; the bound (one
 worker, unbounded cache) and the sim reference are at least round robin's; sim does not beat
-the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's; the prebuilt requests match what the mock computed (answers and prompt tokens);
-the simulator reproduces the bound run's cached tokens; no run failed or had errors; mmrouter
+the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's;
+the prebuilt requests match what the mock computed (answers and prompt tokens); the simulator
+reproduces the bound run's cached tokens; no run failed or had errors; mmrouter
 rows carry a prediction error; every system named by --systems has run (a system that failed
 to start leaves no result).
 """
 import json
 import sys
 from pathlib import Path
+
+from report import SIMULATED
 
 
 def check(out, min_requests, expected=()):
@@ -38,7 +41,7 @@ def check(out, min_requests, expected=()):
         h = r.get("hit_rate")
         if not isinstance(h, (int, float)) or not 0.0 <= h <= 1.0:
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: hit rate {h!r} not in [0, 1]")
-        if not r["system"].startswith("sim") and r.get("errors"):
+        if r["system"] not in SIMULATED and r.get("errors"):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: {r['errors']} errors")
         if r["system"] in ("mmrouter", "mmrouter-approx") and "prediction_mae_tokens" not in r:
             problems.append(f"{r['family']}/{r['workers']}/mmrouter: no prediction error "
@@ -58,7 +61,7 @@ def check(out, min_requests, expected=()):
         if bound and simr and simr["hit_rate"] > bound["hit_rate"] + 0.01:
             problems.append(f"{fam}/{w}: sim {simr['hit_rate']} above the unbounded bound {bound['hit_rate']}")
     for r in results:
-        if r["system"] in ("sim", "sim-online"):
+        if r["system"] in SIMULATED:
             continue
         tag = f"{r['family']}/{r['workers']}/{r['system']}"
         if r.get("ok", 0) < min_requests:
