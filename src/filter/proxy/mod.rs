@@ -61,13 +61,24 @@ struct Shared {
     decided: HashMap<u32, Decision>,
 }
 
+/// Runs `f` on the VM's shared state: None when it is not configured, or already borrowed
+/// (callbacks do not nest, so that would be a bug to survive, not to panic on).
+fn with_shared<R>(
+    shared: Option<Rc<RefCell<Shared>>>,
+    f: impl FnOnce(&mut Shared) -> R,
+) -> Option<R> {
+    let shared = shared?;
+    let mut s = shared.try_borrow_mut().ok()?;
+    Some(f(&mut s))
+}
+
 #[derive(Default)]
 struct FilterRoot {
     shared: Option<Rc<RefCell<Shared>>>,
 }
 
 impl Context for FilterRoot {
-    /// A poll answered (or failed: Envoy reports a failure as 0 headers).
+    /// A call sent from the root context answered (see [`on_call_response`]).
     fn on_http_call_response(
         &mut self,
         token: u32,
@@ -75,51 +86,51 @@ impl Context for FilterRoot {
         body_size: usize,
         _: usize,
     ) {
-        let Some(shared) = self.shared.clone() else {
-            return;
-        };
-        let Ok(mut s) = shared.try_borrow_mut() else {
-            return;
-        };
-        // A fetch sent from this root context (a URL claimed again on a tick).
-        let owner = s
-            .waiting
-            .iter()
-            .find(|(_, w)| w.plan.has_token(token))
-            .map(|(ctx, _)| *ctx);
-        if let Some(ctx) = owner {
-            on_fetch_reply(&mut s, ctx, token, num_headers, body_size, true);
-            return;
-        }
-        let status = if num_headers == 0 {
-            None
-        } else {
-            hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-                .ok()
-                .flatten()
-                .and_then(|v| v.parse::<u16>().ok())
-        };
-        let body = match status {
-            Some(200) => hostcalls::get_buffer(
-                BufferType::HttpCallResponseBody,
-                0,
-                body_size.min(MAX_POLL_BODY),
-            )
-            .ok()
-            .flatten(),
-            _ => None,
-        };
-        let s = &mut *s;
-        let events = s.poller.on_response(
-            &s.router,
-            &s.store,
-            token,
-            status,
-            body.as_deref(),
-            now_us() / 1000,
-        );
-        s.log_events(&events);
+        with_shared(self.shared.clone(), |s| {
+            on_call_response(s, token, num_headers, body_size)
+        });
     }
+}
+
+/// A root context's call answered: a fetch sent from it (a URL claimed again on a tick), or a
+/// poll (or its failure: Envoy reports a failure as 0 headers).
+fn on_call_response(s: &mut Shared, token: u32, num_headers: usize, body_size: usize) {
+    let owner = s
+        .waiting
+        .iter()
+        .find(|(_, w)| w.plan.has_token(token))
+        .map(|(ctx, _)| *ctx);
+    if let Some(ctx) = owner {
+        on_fetch_reply(s, ctx, token, num_headers, body_size, true);
+        return;
+    }
+    let status = if num_headers == 0 {
+        None
+    } else {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|v| v.parse::<u16>().ok())
+    };
+    let body = match status {
+        Some(200) => hostcalls::get_buffer(
+            BufferType::HttpCallResponseBody,
+            0,
+            body_size.min(MAX_POLL_BODY),
+        )
+        .ok()
+        .flatten(),
+        _ => None,
+    };
+    let events = s.poller.on_response(
+        &s.router,
+        &s.store,
+        token,
+        status,
+        body.as_deref(),
+        now_us() / 1000,
+    );
+    s.log_events(&events);
 }
 
 impl RootContext for FilterRoot {
@@ -183,19 +194,14 @@ impl RootContext for FilterRoot {
     }
 
     fn on_tick(&mut self) {
-        let Some(shared) = self.shared.clone() else {
-            return;
-        };
-        let Ok(mut s) = shared.try_borrow_mut() else {
-            return;
-        };
-        let s = &mut *s;
-        let events = s
-            .poller
-            .tick(&s.router, &s.store, now_us() / 1000, &mut HostDispatcher);
-        s.log_events(&events);
-        s.metrics.vm_memory();
-        poll_waiting(s);
+        with_shared(self.shared.clone(), |s| {
+            let events = s
+                .poller
+                .tick(&s.router, &s.store, now_us() / 1000, &mut HostDispatcher);
+            s.log_events(&events);
+            s.metrics.vm_memory();
+            poll_waiting(s);
+        });
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -252,21 +258,10 @@ impl Context for FilterStream {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some(shared) = self.shared.clone() else {
-            return;
-        };
-        let Ok(mut s) = shared.try_borrow_mut() else {
-            return;
-        };
-        on_fetch_reply(
-            &mut s,
-            self.context_id,
-            token,
-            num_headers,
-            body_size,
-            false,
-        );
-        self.pick_up_decision(&mut s);
+        with_shared(self.shared.clone(), |s| {
+            on_fetch_reply(s, self.context_id, token, num_headers, body_size, false);
+            self.pick_up_decision(s);
+        });
     }
 }
 
@@ -483,26 +478,22 @@ impl HttpContext for FilterStream {
             return Action::Continue;
         }
         self.body_size = body_size;
-        let Some(shared) = self.shared.clone() else {
+        let action = with_shared(self.shared.clone(), |s| {
+            let over_limit = body_size > s.router.config.router.limits.max_body_bytes;
+            if !over_limit {
+                self.feed_new_bytes();
+            }
+            // A request held until its images by URL are fetched is resumed by `complete`.
+            if (!end_of_stream && !over_limit) || self.decide(s) {
+                Action::Pause
+            } else {
+                Action::Continue
+            }
+        });
+        action.unwrap_or_else(|| {
             self.routing = false;
-            return Action::Continue;
-        };
-        let Ok(mut s) = shared.try_borrow_mut() else {
-            self.routing = false;
-            return Action::Continue;
-        };
-        let over_limit = body_size > s.router.config.router.limits.max_body_bytes;
-        if !over_limit {
-            self.feed_new_bytes();
-        }
-        if !end_of_stream && !over_limit {
-            return Action::Pause;
-        }
-        if self.decide(&mut s) {
-            // Held until its images by URL are fetched: resumed by `complete`.
-            return Action::Pause;
-        }
-        Action::Continue
+            Action::Continue
+        })
     }
 
     /// A body followed by trailers ends here, not with an end-of-stream body call.
@@ -510,25 +501,21 @@ impl HttpContext for FilterStream {
         if !self.routing {
             return Action::Continue;
         }
-        let Some(shared) = self.shared.clone() else {
-            self.routing = false;
-            return Action::Continue;
-        };
-        if let Ok(mut s) = shared.try_borrow_mut()
-            && self.decide(&mut s)
-        {
-            return Action::Pause;
+        match with_shared(self.shared.clone(), |s| self.decide(s)) {
+            Some(true) => Action::Pause,
+            Some(false) => Action::Continue,
+            None => {
+                self.routing = false;
+                Action::Continue
+            }
         }
-        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        with_shared(self.shared.clone(), |s| self.pick_up_decision(s));
         let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
-        if let Ok(mut s) = shared.try_borrow_mut() {
-            self.pick_up_decision(&mut s);
-        }
         let Some(decision) = &self.decision else {
             return Action::Continue;
         };
@@ -593,19 +580,15 @@ impl HttpContext for FilterStream {
             return;
         }
         self.finished = true;
-        let Some(shared) = self.shared.clone() else {
-            return;
-        };
-        if let Ok(mut s) = shared.try_borrow_mut() {
-            self.pick_up_decision(&mut s);
+        with_shared(self.shared.clone(), |s| {
+            self.pick_up_decision(s);
             // Ended while held (a reset): its claims are released, nothing is routed.
             if let Some(mut w) = s.waiting.remove(&self.context_id) {
-                let s = &mut *s;
                 w.plan
                     .expire(&s.router.config.fetch, &s.store, s.router.keys());
             }
-        }
-        let Some(decision) = &self.decision else {
+        });
+        let (Some(decision), Some(shared)) = (&self.decision, self.shared.clone()) else {
             return;
         };
         if let Ok(s) = shared.try_borrow() {
