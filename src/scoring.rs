@@ -96,17 +96,6 @@
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
 //!   any load); past it, the request goes where the cost says.
 //!
-//! ## Holders (`prefix_holders`, off by default)
-//! The longest match wins while its worker is within the same load bound as a home: where a
-//! worker whose in-flight count, this request included, stays within
-//! `ceil((1 + home_load_slack) × mean)` holds a longer prefix of the request than the
-//! lowest-cost worker, the request goes to it (the lowest-cost of those with the longest such
-//! prefix). Applied after the home hold. It makes fewer copies of shared prefixes than the
-//! cost, as SGLang's router does, with a bound on the herding instead of its imbalance
-//! thresholds. Measured (docs/BENCHMARKS.md, twenty-second run): +0.001-0.002 where caches
-//! fit and up to +0.02 in `tight-256` with 4-8 workers, but with 2 workers the bound never
-//! binds and the TTFT p99 rose in `hot-system` and `sessions`, so it is not the default.
-//!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
 //! best are ties: the tied worker with the longest match wins (a second copy of a prefix for
@@ -164,10 +153,6 @@ pub struct ScoringConfig {
     /// most `ceil((1 + home_load_slack) × mean)` (default 1: a home may carry twice the
     /// mean; with 2 workers that never stops a hold).
     pub home_load_slack: f64,
-    /// The longest match wins while its worker is within the load bound of `home_load_slack`:
-    /// where a worker within the bound holds a longer prefix of the request than the
-    /// lowest-cost worker, the request goes to it (default false; see "Holders" above).
-    pub prefix_holders: bool,
 }
 
 impl Default for ScoringConfig {
@@ -183,7 +168,6 @@ impl Default for ScoringConfig {
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,
-            prefix_holders: false,
         }
     }
 }
@@ -320,43 +304,14 @@ pub fn goes_home(
     if home == choice.index || chosen.matched_blocks >= preamble_blocks {
         return false;
     }
-    within_load_bound(h, candidates, load_slack)
-}
-
-/// Where a candidate within the load bound holds a longer prefix of the request than the
-/// chosen one, the lowest-cost candidate within the bound that holds the longest such prefix
-/// (`scoring.prefix_holders`, see "Holders" above): the longest match wins unless its worker
-/// is past the bound.
-pub fn prefix_holder(choice: &Choice, candidates: &[Candidate], load_slack: f64) -> Option<usize> {
-    let chosen = candidates.get(choice.index)?;
-    let in_bound = |c: &&Candidate| within_load_bound(c, candidates, load_slack);
-    let best = candidates
-        .iter()
-        .filter(in_bound)
-        .map(|c| c.matched_blocks)
-        .max()?;
-    if best <= chosen.matched_blocks {
-        return None;
-    }
-    choice.ranking.iter().copied().find(|&i| {
-        candidates
-            .get(i)
-            .is_some_and(|c| c.matched_blocks >= best && in_bound(&c))
-    })
-}
-
-/// Whether one more request on `c` keeps its in-flight count within
-/// `ceil((1 + load_slack) × mean)` over the candidates, this request included (the bound of
-/// consistent hashing with bounded loads).
-fn within_load_bound(c: &Candidate, candidates: &[Candidate], load_slack: f64) -> bool {
     let total: f64 = candidates
         .iter()
         .map(|c| f64::from(c.inflight))
         .sum::<f64>()
         + 1.0;
-    let mean = total / candidates.len().max(1) as f64;
+    let mean = total / candidates.len() as f64;
     let bound = ((1.0 + load_slack.max(0.0)) * mean).ceil();
-    f64::from(c.inflight) + 1.0 <= bound
+    f64::from(h.inflight) + 1.0 <= bound
 }
 
 fn known(v: Option<f64>) -> Option<f64> {

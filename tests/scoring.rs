@@ -1,7 +1,7 @@
 //! Behaviour of the decision rule: wait against recompute, in time (src/scoring.rs).
 
 use mmrouter::config::RouterConfig;
-use mmrouter::scoring::{Candidate, RequestSize, ScoringConfig, choose, goes_home, prefix_holder};
+use mmrouter::scoring::{Candidate, RequestSize, ScoringConfig, choose, goes_home};
 
 const SPEED: f64 = 8000.0;
 
@@ -46,7 +46,6 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert!(c.recompute_grows_with_load);
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);
-    assert!(!c.prefix_holders);
     assert!(c.validate().is_ok());
 }
 
@@ -91,36 +90,6 @@ fn a_request_goes_home_only_where_its_chosen_worker_would_recompute_the_preamble
     let c = chosen(&ws);
     assert_eq!(c.index, 1);
     assert!(!goes_home(&c, &ws, 1, preamble, 1.0));
-}
-
-#[test]
-fn the_longest_match_within_the_load_bound_wins_over_the_cost() {
-    // A follow-up of 40 blocks: worker 1 holds its 30-block history but has a queue; the cost
-    // sends it to the idle worker 0, which holds nothing.
-    let history = |inflight: u32| Candidate {
-        inflight,
-        ..worker(30, 0.8)
-    };
-    let ws = [worker(0, 0.0), history(1)];
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    assert_eq!(c.index, 0, "the cost alone moves it");
-    // 2 in flight with this one over 2 workers, bound ceil(2 × 1) = 2: it stays with its KV.
-    assert_eq!(prefix_holder(&c, &ws, 1.0), Some(1));
-    // With slack 0 the bound is 1 and worker 1 is past it: the cost decides.
-    assert_eq!(prefix_holder(&c, &ws, 0.0), None);
-    // Of two holders within the bound, the longer match; of equal matches, the lower cost.
-    let ws = [worker(0, 0.0), history(0), worker(35, 0.9)];
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    assert_eq!(c.index, 0);
-    assert_eq!(prefix_holder(&c, &ws, 1.0), Some(2));
-    let ws = [worker(0, 0.0), worker(30, 0.9), worker(30, 0.8)];
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    assert_eq!(c.index, 0);
-    assert_eq!(prefix_holder(&c, &ws, 1.0), Some(2));
-    // The chosen worker holds the longest match within the bound: nothing to change.
-    let ws = [worker(30, 0.0), history(0)];
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    assert_eq!(prefix_holder(&c, &ws, 1.0), None);
 }
 
 #[test]

@@ -99,9 +99,8 @@ pub(super) fn decision_line(d: &Decision) -> String {
                 e.recompute_s * 1e3,
                 if d.precise { "precise" } else { "approximate" },
             );
-            if let Some(hold) = d.hold {
-                line.push_str("; ");
-                line.push_str(hold.reason());
+            if d.home {
+                line.push_str("; its group's home");
             }
             if let Some((name, matched, alt)) = &d.passed_over {
                 line.push_str(&format!(

@@ -27,27 +27,6 @@ impl Fallback {
     }
 }
 
-/// Why a request went to another worker than its lowest-cost one, which would have recomputed
-/// a prefix that another worker holds (docs/ROUTING.md, "Homes for groups" and "Holders").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hold {
-    /// Its group's home (`scoring.home_hold`).
-    Home,
-    /// The worker within the load bound that holds the longest prefix of the request
-    /// (`scoring.prefix_holders`).
-    Holder,
-}
-
-impl Hold {
-    /// The decision log's words for it.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Hold::Home => "its group's home",
-            Hold::Holder => "the holder of its longest prefix within the load bound",
-        }
-    }
-}
-
 /// The worker a decision names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
@@ -81,8 +60,9 @@ pub struct Decision {
     /// The decision used the engine's KV events (the sidecar's feed was fresh).
     pub precise: bool,
     pub fallback: Option<Fallback>,
-    /// Why the request went to another worker than its lowest-cost one, if it did.
-    pub hold: Option<Hold>,
+    /// The request went to its group's home instead of its lowest-cost worker
+    /// (`scoring.home_hold`).
+    pub home: bool,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
     /// What the engine frees when the request ends, for [`Router::released`] (None for a

@@ -1,10 +1,9 @@
 //! `scoring.home_hold`: a request group (the requests that share a preamble, such as one
 //! system prompt) is kept on its home worker where the request would otherwise recompute the
-//! preamble (docs/ROUTING.md, "Homes for groups"); failing that, `scoring.prefix_holders`
-//! sends a request to the worker within the load bound that holds its longest prefix.
+//! preamble (docs/ROUTING.md, "Homes for groups").
 
-use super::{Hold, Router};
-use crate::scoring::{Candidate, Choice, goes_home, prefix_holder};
+use super::Router;
+use crate::scoring::{Candidate, Choice, goes_home};
 use crate::state::homes::{Eligible, Homes};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
@@ -18,13 +17,11 @@ const HOME_MAX_SHARES: f64 = 1.5;
 const HOME_GROUPS: usize = 256;
 
 impl Router {
-    /// With `scoring.home_hold`, counts a request that has a preamble in its group's home (the
-    /// group is named by the key of the preamble's last block) and sends it there when
-    /// [`goes_home`] says so; failing that, with `scoring.prefix_holders`, sends it to the
-    /// worker within the load bound that holds its longest prefix ([`prefix_holder`]).
-    /// Returns what changed the choice, if anything did.
+    /// `scoring.home_hold`: counts the request in its group's home (the group is named by the
+    /// key of the preamble's last block) and sends it there when [`goes_home`] says so.
+    /// Returns whether it changed the choice.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn hold(
+    pub(super) fn hold_home(
         &self,
         keys: &[u64],
         preamble_blocks: usize,
@@ -34,44 +31,11 @@ impl Router {
         choice: &mut Choice,
         store: &dyn SharedStore,
         now_ms: u64,
-    ) -> Option<Hold> {
+    ) -> bool {
         let preamble = preamble_blocks.min(keys.len());
-        let group = preamble.checked_sub(1).and_then(|i| keys.get(i)).copied();
-        let scoring = &self.config.router.scoring;
-        let slack = scoring.home_load_slack;
-        if scoring.home_hold
-            && let Some(group) = group
-            && let Some(index) = self.home(
-                group, preamble, live, eligible, candidates, choice, store, now_ms,
-            )
-        {
-            choice.prefer(index);
-            return Some(Hold::Home);
-        }
-        if scoring.prefix_holders
-            && let Some(index) = prefix_holder(choice, candidates, slack)
-        {
-            choice.prefer(index);
-            return Some(Hold::Holder);
-        }
-        None
-    }
-
-    /// Counts the request in its group's home (assigning one at first sight) and returns the
-    /// home's candidate index when the request goes there: [`goes_home`], and the group is no
-    /// more than [`HOME_MAX_SHARES`] workers' shares of the traffic.
-    #[allow(clippy::too_many_arguments)]
-    fn home(
-        &self,
-        group: u64,
-        preamble: usize,
-        live: &LiveTable,
-        eligible: &[usize],
-        candidates: &[Candidate],
-        choice: &Choice,
-        store: &dyn SharedStore,
-        now_ms: u64,
-    ) -> Option<usize> {
+        let Some(&group) = preamble.checked_sub(1).and_then(|i| keys.get(i)) else {
+            return false;
+        };
         let workers: Vec<Eligible> = eligible
             .iter()
             .filter_map(|&slot| {
@@ -91,18 +55,22 @@ impl Router {
             table = homes;
             Some(encoded)
         });
-        let index = home.and_then(|h| eligible.iter().position(|&s| s == h))?;
+        let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
+            return false;
+        };
         let slack = self.config.router.scoring.home_load_slack;
         if !goes_home(choice, candidates, index, preamble, slack) {
-            return None;
+            return false;
         }
         // A group with clearly more than one worker's share of the traffic (one application's
-        // system prompt on every request, say) cannot keep to one worker: the cost spreads it
-        // (or `prefix_holders` keeps it on the workers that hold its preamble). Up to 1.5
-        // shares are held, so that groups of about one share each (as many groups as workers)
-        // are not let go whenever their recent rates wobble above it. Checked last: it decays
-        // every group's rate, and most requests stop at `goes_home`.
-        (table.share(group, now_ms, half_life) * workers.len() as f64 <= HOME_MAX_SHARES)
-            .then_some(index)
+        // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
+        // Up to 1.5 shares are held, so that groups of about one share each (as many groups
+        // as workers) are not let go whenever their recent rates wobble above it. Checked
+        // last: it decays every group's rate, and most requests stop at `goes_home`.
+        if table.share(group, now_ms, half_life) * workers.len() as f64 > HOME_MAX_SHARES {
+            return false;
+        }
+        choice.prefer(index);
+        true
     }
 }

@@ -15,7 +15,7 @@ mod surviving;
 #[cfg(test)]
 mod tests;
 
-pub use decision::{Decision, Fallback, Held, Hold, Target};
+pub use decision::{Decision, Fallback, Held, Target};
 
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
@@ -186,21 +186,17 @@ impl Router {
             block_size,
         };
         let mut choice = choose(request, &candidates, &self.config.router.scoring, random)?;
-        let scoring = &self.config.router.scoring;
-        let hold = (scoring.home_hold || scoring.prefix_holders)
-            .then(|| {
-                self.hold(
-                    keys,
-                    analysis.layout.preamble_blocks,
-                    &live,
-                    &eligible,
-                    &candidates,
-                    &mut choice,
-                    store,
-                    now_ms,
-                )
-            })
-            .flatten();
+        let home = self.config.router.scoring.home_hold
+            && self.hold_home(
+                keys,
+                analysis.layout.preamble_blocks,
+                &live,
+                &eligible,
+                &candidates,
+                &mut choice,
+                store,
+                now_ms,
+            );
         let slot = eligible.get(choice.index).copied()?;
         let target = self.target(slot)?;
         let estimate = choice.estimate();
@@ -262,7 +258,7 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            hold,
+            home,
             recorded: end.is_some() && enqueued,
             held: live.get(slot).map(|l| Held {
                 keys: keys.to_vec(),
@@ -354,7 +350,7 @@ impl Router {
             probes: 0,
             precise: live.precise,
             fallback: Some(why),
-            hold: None,
+            home: false,
             recorded: end.is_some(),
             held: None,
         })
