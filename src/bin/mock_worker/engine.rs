@@ -21,8 +21,16 @@
 //! An image needs the encoder when it is not in the mm cache and its placeholders are not all
 //! inside the cached prefix.
 //!
-//! Blocks are cached once computed: the prompt's full blocks at the end of prefill, the full
-//! blocks of prompt + output at the end (as vLLM caches generated blocks too).
+//! ## Caching
+//! The prompt's full blocks enter the prefix cache when the request is admitted, before its
+//! prefill has run: vLLM v1's `KVCacheManager.allocate_slots` calls `cache_blocks` for the
+//! tokens it schedules in a step, before the forward pass that computes them, so a request
+//! scheduled after another finds that one's prompt blocks cached even while they are still
+//! being computed (its own prefill comes after on the lane, as in the engine, where each
+//! layer writes its KV before attention reads it). The mock schedules a whole prompt at once,
+//! as vLLM does for a prompt within `max_num_batched_tokens`; a longer prompt's later chunks
+//! would enter vLLM's cache step by step. The full blocks of prompt + output are cached at
+//! the end (vLLM caches generated blocks too, as each fills).
 
 use crate::histogram::Histogram;
 #[cfg(test)]
@@ -365,6 +373,12 @@ impl Engine {
             let cached_tokens = hits.len() * bs;
             let mut blocks = hits;
             blocks.extend(new_blocks);
+            // Scheduled is cached (see "Caching" above): the prompt's full blocks.
+            let n_full = waiter.job.blocks.len().min(blocks.len());
+            st.pool.cache_blocks(
+                blocks.get(..n_full).unwrap_or(&[]),
+                waiter.job.blocks.get(..n_full).unwrap_or(&[]),
+            );
             st.stats.prefix_queries += n as u64;
             st.stats.prefix_hits += cached_tokens as u64;
             let mut encoder_images = 0;
@@ -449,8 +463,8 @@ impl Ticket {
         xxhash_rust::xxh3::xxh3_64(&bytes)
     }
 
-    /// Runs the prefill (encoder + uncached tokens on the shared lane), then caches the
-    /// prompt's full blocks. The first output token is ready when this returns.
+    /// Runs the prefill (encoder + uncached tokens on the shared lane); the prompt's blocks
+    /// were cached at admission. The first output token is ready when this returns.
     pub async fn prefill(&mut self) {
         let cfg = &self.engine.cfg;
         let uncached = self.job.tokens.len().saturating_sub(self.cached_tokens);
@@ -461,9 +475,6 @@ impl Ticket {
             self.engine.sleep(seconds).await;
         }
         let mut st = self.engine.lock();
-        let n_full = self.job.blocks.len().min(self.blocks.len());
-        let ids = self.blocks.get(..n_full).unwrap_or(&[]);
-        st.pool.cache_blocks(ids, &self.job.blocks);
         st.stats.prompt_tokens += self.job.tokens.len() as u64;
         st.stats.generation_tokens += 1;
         st.stats
@@ -553,6 +564,23 @@ mod tests {
         assert_eq!(s.prefix_hits, 48);
         assert_eq!(s.aborted, 1);
         assert_eq!(s.success_length, 1);
+    }
+
+    #[tokio::test]
+    async fn a_prompt_is_cached_from_admission_before_its_prefill_runs() {
+        // As vLLM's allocate_slots caches the blocks it schedules before the forward pass:
+        // a request admitted while the first is still waiting for its prefill hits its blocks.
+        let e = Engine::new(cfg(64, 4));
+        let first = e.submit(job(&e, 0, 40, 4)).await;
+        assert_eq!(first.cached_tokens, 0);
+        let second = e.submit(job(&e, 0, 40, 4)).await;
+        assert_eq!(
+            second.cached_tokens, 32,
+            "both full blocks of the first's prompt"
+        );
+        let other = e.submit(job(&e, 1000, 40, 4)).await;
+        assert_eq!(other.cached_tokens, 0, "a different prompt hits nothing");
+        assert_eq!(e.snapshot().blocks_stored, 4);
     }
 
     #[tokio::test]
