@@ -90,11 +90,14 @@
 //! - the group has at most 1.5 workers' shares of the recent traffic (its decayed request
 //!   rate over all groups', times the workers): one application's system prompt on every
 //!   request is no group to keep on one worker (the filter checks this, from the homes
-//!   table); and
+//!   table, over at least `home_share_min_requests` per worker, so that the first groups seen
+//!   at start-up do not look like all of the traffic); and
 //! - the home is not overloaded: its requests in flight, this one included, are at most
 //!   `ceil((1 + home_load_slack) × mean)` over the candidates (the bound of consistent hashing
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
-//!   any load); past it, the request goes where the cost says.
+//!   any load), or `home_load_floor` (default 2) where that is more: at low load the bound is
+//!   1, and a group's second request would copy its preamble to an idle worker instead of
+//!   joining the first; past it, the request goes where the cost says.
 //!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
@@ -153,6 +156,14 @@ pub struct ScoringConfig {
     /// most `ceil((1 + home_load_slack) × mean)` (default 1: a home may carry twice the
     /// mean; with 2 workers that never stops a hold).
     pub home_load_slack: f64,
+    /// Requests in flight a home may always carry, this one included, whatever the mean
+    /// (default 2; 0 = no floor). At low load the bound above is 1, so a group's second
+    /// request could not join the first on its home and copied the preamble elsewhere.
+    pub home_load_floor: u32,
+    /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
+    /// at least (default 4; 0 = over what the table has seen). Before the homes table has
+    /// seen that many, the first groups would look like all of the traffic and not be held.
+    pub home_share_min_requests: f64,
 }
 
 impl Default for ScoringConfig {
@@ -168,6 +179,8 @@ impl Default for ScoringConfig {
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,
+            home_load_floor: 2,
+            home_share_min_requests: 4.0,
         }
     }
 }
@@ -186,6 +199,7 @@ impl ScoringConfig {
             ("temperature", self.temperature),
             ("recompute_weight", self.recompute_weight),
             ("home_load_slack", self.home_load_slack),
+            ("home_share_min_requests", self.home_share_min_requests),
         ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(ConfigError::new(
@@ -296,7 +310,7 @@ pub fn goes_home(
     candidates: &[Candidate],
     home: usize,
     preamble_blocks: usize,
-    load_slack: f64,
+    config: &ScoringConfig,
 ) -> bool {
     let (Some(chosen), Some(h)) = (candidates.get(choice.index), candidates.get(home)) else {
         return false;
@@ -310,7 +324,9 @@ pub fn goes_home(
         .sum::<f64>()
         + 1.0;
     let mean = total / candidates.len() as f64;
-    let bound = ((1.0 + load_slack.max(0.0)) * mean).ceil();
+    let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
+        .ceil()
+        .max(f64::from(config.home_load_floor));
     f64::from(h.inflight) + 1.0 <= bound
 }
 

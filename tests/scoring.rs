@@ -12,6 +12,15 @@ fn config() -> ScoringConfig {
     }
 }
 
+/// The configuration with `home_load_slack` and no floor under the home's bound.
+fn slack(home_load_slack: f64) -> ScoringConfig {
+    ScoringConfig {
+        home_load_slack,
+        home_load_floor: 0,
+        ..config()
+    }
+}
+
 /// A request of `blocks` full blocks of 16 tokens.
 fn request(blocks: usize) -> RequestSize {
     RequestSize {
@@ -46,6 +55,8 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert!(c.recompute_grows_with_load);
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);
+    assert_eq!(c.home_load_floor, 2);
+    assert_eq!(c.home_share_min_requests, 4.0);
     assert!(c.validate().is_ok());
 }
 
@@ -63,13 +74,16 @@ fn a_request_goes_home_only_where_its_chosen_worker_would_recompute_the_preamble
     let ws = [worker(0, 0.0), busy_home(preamble)];
     let c = chosen(&ws);
     assert_eq!(c.index, 0, "the cost alone picks the idle worker");
-    assert!(goes_home(&c, &ws, 1, preamble, 1.0));
+    assert!(goes_home(&c, &ws, 1, preamble, &slack(1.0)));
     // Worker 0 holds the preamble (or more): the request finds its prefix there; no hold.
     for held in [preamble, preamble + 5] {
         let ws = [worker(held, 0.0), busy_home(preamble)];
         let c = chosen(&ws);
         assert_eq!(c.index, 0);
-        assert!(!goes_home(&c, &ws, 1, preamble, 1.0), "{held} blocks held");
+        assert!(
+            !goes_home(&c, &ws, 1, preamble, &slack(1.0)),
+            "{held} blocks held"
+        );
     }
     // Past the load bound: 3 in flight at home against 0, ceil(1.25 × 4 / 2) = 3 < 4.
     let ws = [
@@ -80,16 +94,47 @@ fn a_request_goes_home_only_where_its_chosen_worker_would_recompute_the_preamble
         },
     ];
     let c = chosen(&ws);
-    assert!(!goes_home(&c, &ws, 1, preamble, 0.25));
+    assert!(!goes_home(&c, &ws, 1, preamble, &slack(0.25)));
     assert!(
-        goes_home(&c, &ws, 1, preamble, 1.0),
+        goes_home(&c, &ws, 1, preamble, &slack(1.0)),
         "ceil(2 × 2) = 4 holds it"
+    );
+    // At low load the bound is small: 1 in flight at home and none elsewhere on 4 workers
+    // gives ceil(2 × 2 / 4) = 1 < 2, so the second request of a group copies the preamble
+    // elsewhere. A floor of 2 lets it join the first.
+    let ws = [
+        worker(0, 0.0),
+        busy_home(preamble),
+        worker(0, 0.0),
+        worker(0, 0.0),
+    ];
+    let c = chosen(&ws);
+    assert_ne!(c.index, 1, "the cost alone leaves the busy home");
+    assert!(!goes_home(&c, &ws, 1, preamble, &slack(1.0)));
+    let floored = ScoringConfig {
+        home_load_floor: 2,
+        ..slack(1.0)
+    };
+    assert!(goes_home(&c, &ws, 1, preamble, &floored));
+    let ws = [
+        worker(0, 0.0),
+        Candidate {
+            inflight: 2,
+            ..worker(preamble, 0.2)
+        },
+        worker(0, 0.0),
+        worker(0, 0.0),
+    ];
+    let c = chosen(&ws);
+    assert!(
+        !goes_home(&c, &ws, 1, preamble, &floored),
+        "3 in flight at home is past both the bound (ceil(2 × 3 / 4) = 2) and the floor"
     );
     // Home already chosen: nothing to change.
     let ws = [worker(0, 0.5), worker(preamble, 0.0)];
     let c = chosen(&ws);
     assert_eq!(c.index, 1);
-    assert!(!goes_home(&c, &ws, 1, preamble, 1.0));
+    assert!(!goes_home(&c, &ws, 1, preamble, &slack(1.0)));
 }
 
 #[test]

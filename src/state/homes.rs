@@ -103,8 +103,11 @@ impl Homes {
         out
     }
 
-    /// `group`'s share of the requests of every group in the table now (0 when unknown).
-    pub fn share(&self, group: u64, now_ms: u64, half_life_ms: u64) -> f64 {
+    /// `group`'s share of the requests of every group in the table now (0 when unknown), over
+    /// at least `min_total` requests: until the table has seen that many (decayed), a share is
+    /// counted as if the rest had come from other groups, so the first groups seen do not
+    /// look like all of the traffic.
+    pub fn share(&self, group: u64, now_ms: u64, half_life_ms: u64, min_total: f64) -> f64 {
         let (mut own, mut total) = (0.0, 0.0);
         for h in &self.entries {
             let rate = h.rate_at(now_ms, half_life_ms);
@@ -113,6 +116,7 @@ impl Homes {
                 own += rate;
             }
         }
+        let total = total.max(min_total);
         if total > 0.0 { own / total } else { 0.0 }
     }
 
@@ -236,18 +240,26 @@ mod tests {
     fn a_groups_share_is_its_recent_requests_over_every_groups() {
         let mut homes = Homes::default();
         let w = workers(2);
-        assert_eq!(homes.share(7, 0, 60_000), 0.0, "unknown group, empty table");
+        assert_eq!(
+            homes.share(7, 0, 60_000, 0.0),
+            0.0,
+            "unknown group, empty table"
+        );
         homes.visit(7, &w, 0, 0, 60_000, 64);
-        assert_eq!(homes.share(7, 0, 60_000), 1.0, "the only group");
+        assert_eq!(homes.share(7, 0, 60_000, 0.0), 1.0, "the only group");
         for t in 0..3 {
             homes.visit(8, &w, 0, t, 60_000, 64);
         }
-        assert!((homes.share(7, 3, 60_000) - 0.25).abs() < 0.001);
-        assert!((homes.share(8, 3, 60_000) - 0.75).abs() < 0.001);
+        assert!((homes.share(7, 3, 60_000, 0.0) - 0.25).abs() < 0.001);
+        assert!((homes.share(8, 3, 60_000, 0.0) - 0.75).abs() < 0.001);
         // A minute later, 7's one request counts half as much; so do 8's three.
         homes.visit(7, &w, 0, 60_003, 60_000, 64);
-        let share = homes.share(7, 60_003, 60_000);
+        let share = homes.share(7, 60_003, 60_000, 0.0);
         assert!((share - 1.5 / 3.0).abs() < 0.01, "{share}");
+        // Over at least 8 requests: the table has seen 3 (decayed), so 7's 1.5 count as 1.5/8.
+        let share = homes.share(7, 60_003, 60_000, 8.0);
+        assert!((share - 1.5 / 8.0).abs() < 0.01, "{share}");
+        assert!((homes.share(7, 60_003, 60_000, 2.0) - 0.5).abs() < 0.01);
     }
 
     #[test]

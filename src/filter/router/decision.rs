@@ -6,7 +6,7 @@ use crate::scoring::Estimate;
 /// Why a request was routed without its cache affinity (to the least-loaded worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
-    /// The body could not be analysed: [`AnalyzeError::reason`] (`bad_json`, `bad_image`, ...).
+    /// The body could not be analysed: [`crate::analysis::AnalyzeError::reason`] (`bad_json`, `bad_image`, ...).
     Analyze(&'static str),
     /// The body was larger than `limits.max_body_bytes`.
     TooLarge,
@@ -65,7 +65,7 @@ pub struct Decision {
     pub home: bool,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
-    /// What the engine frees when the request ends, for [`Router::released`] (None for a
+    /// What the engine frees when the request ends, for [`super::Router::released`] (None for a
     /// fallback).
     pub held: Option<Held>,
 }

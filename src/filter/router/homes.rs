@@ -58,16 +58,25 @@ impl Router {
         let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
             return false;
         };
-        let slack = self.config.router.scoring.home_load_slack;
-        if !goes_home(choice, candidates, index, preamble, slack) {
+        if !goes_home(
+            choice,
+            candidates,
+            index,
+            preamble,
+            &self.config.router.scoring,
+        ) {
             return false;
         }
         // A group with clearly more than one worker's share of the traffic (one application's
         // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
         // Up to 1.5 shares are held, so that groups of about one share each (as many groups
-        // as workers) are not let go whenever their recent rates wobble above it. Checked
+        // as workers) are not let go whenever their recent rates wobble above it. A share
+        // counts over at least `home_share_min_requests` per worker: at start-up the first
+        // group seen is all of the traffic, and was let go at its second request. Checked
         // last: it decays every group's rate, and most requests stop at `goes_home`.
-        if table.share(group, now_ms, half_life) * workers.len() as f64 > HOME_MAX_SHARES {
+        let n = workers.len() as f64;
+        let seen = self.config.router.scoring.home_share_min_requests * n;
+        if table.share(group, now_ms, half_life, seen) * n > HOME_MAX_SHARES {
             return false;
         }
         choice.prefer(index);

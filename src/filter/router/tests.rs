@@ -253,9 +253,46 @@ fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_one
 }
 
 #[test]
+fn at_start_up_the_first_group_seen_is_held_to_its_home() {
+    // Four workers, one application's first requests, none finished: the first group the
+    // homes table sees is all of its traffic. Counted over that alone, its share (1.0 × 4
+    // workers) is past the 1.5 shares a home holds, and each request went where the cost
+    // said, copying the system prompt to a new worker. Over at least 4 requests per worker
+    // (16 here) it is held.
+    let system = "You are assistant one. ".repeat(20);
+    let run = |min_requests: f64| {
+        let store = MemoryStore::default();
+        let mut config = home_hold(4, 1.0);
+        config.router.scoring.home_share_min_requests = min_requests;
+        config.router.scoring.home_load_floor = 2;
+        let mut r = start(&store, config);
+        let mut slots = Vec::new();
+        for i in 0..2u32 {
+            let b = with_system(&system, &png(700 + i, 600), "Describe this image.");
+            // Routed 1 ms apart, before the state writer has recorded the first's blocks.
+            let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
+            slots.push((d.target.slot, d.home));
+        }
+        slots
+    };
+    let held = run(4.0);
+    assert_eq!(held[0].0, held[1].0, "both on the group's home: {held:?}");
+    assert!(held[1].1, "the second went home against the cost: {held:?}");
+    let let_go = run(0.0);
+    assert_ne!(
+        let_go[0].0, let_go[1].0,
+        "the cost spreads them: {let_go:?}"
+    );
+}
+
+#[test]
 fn a_home_past_its_load_bound_is_not_held_to() {
     let store = MemoryStore::default();
-    let mut r = start(&store, home_hold(2, 0.25));
+    let mut config = home_hold(2, 0.25);
+    // Shares over what the table has seen: the other application's 8 requests below make
+    // this one's no more than one worker's share from its first request on.
+    config.router.scoring.home_share_min_requests = 0.0;
+    let mut r = start(&store, config);
     let system = "You are assistant one. ".repeat(20);
     // Another application's traffic first (finished), so that this one's is no more than
     // one worker's share.
@@ -292,19 +329,23 @@ fn a_home_past_its_load_bound_is_not_held_to() {
 fn an_application_whose_prompt_is_on_every_request_is_not_held_to_one_worker() {
     // One system prompt on all traffic: more than one worker's share, so the cost
     // spreads its new content as without homes (with the hold, at 2 workers and the
-    // default bound, every request would go to the one home).
+    // default bound, every request would go to the one home). Its share counts over at
+    // least 4 requests per worker (8 here): the first 6 of them (6 / 8 × 2 workers = 1.5
+    // shares) may be held; from the 8th on the table has seen enough.
     let store = MemoryStore::default();
     let mut r = start(&store, home_hold(2, 1.0));
     let system = "You are assistant one. ".repeat(20);
     let mut slots = Vec::new();
-    for i in 0..8u32 {
+    for i in 0..16u32 {
         let t = 200 + u64::from(i) * 10;
         let b = with_system(&system, &png(900 + i, 500), "Describe this image.");
         let d = route(&mut r, &store, &b, t, u64::from(i));
         apply(&store, &r, t + 1);
-        assert!(!d.home, "request {i} held home");
         assert!(r.finished(&store, &d, (t + 5) * 1000, true));
-        slots.push(d.target.slot);
+        if i >= 7 {
+            assert!(!d.home, "request {i} held home");
+            slots.push(d.target.slot);
+        }
     }
     let on_first = slots.iter().filter(|&&s| s == slots[0]).count();
     assert!(on_first < slots.len(), "spread over both: {slots:?}");
