@@ -1,6 +1,7 @@
-//! What the browser shell ([`crate::web`]) and the WIT component ([`crate::component`]) both
-//! do on top of the core, so the two cannot drift: analyse a body with caller options, list
-//! the profile specs, and choose a worker from explicit per-worker block holdings.
+//! What the browser shell (`crate::web`, feature `web`) and the WIT component
+//! (`crate::component`, feature `component`) both do on top of the core, so the two cannot
+//! drift: analyse a body with caller options, list the profile specs, and choose a worker
+//! from explicit per-worker block holdings.
 
 use crate::analysis::{Analysis, Overrides, analyze_with};
 use crate::config::RouterConfig;

@@ -10,7 +10,7 @@
 //!
 //! # What it keeps while the bytes stream by
 //!
-//! Each format is a state machine over the byte stream ([`png`], [`jpeg`], [`webp`], [`gif`])
+//! Each format is a state machine over the byte stream (modules `png`, `jpeg`, `webp`, `gif`)
 //! that skips what it does not need by length, so a reader holds at most:
 //!
 //! * the first 12 bytes (format sniffing), PNG's first 33 (signature and `IHDR`, handed to the
@@ -30,7 +30,7 @@
 //!
 //! vLLM loads every image part (URL, `data:` URL, file) through
 //! `ImageMediaIO.load_bytes` in `vllm/multimodal/media/image.py`. Since vLLM PR #44974
-//! ("[Security] Fix image EXIF orientation and tRNS transparency handling", merged June 2026,
+//! ("\[Security\] Fix image EXIF orientation and tRNS transparency handling", merged June 2026,
 //! before the 0.33 release that the rest of this project follows) that path calls
 //! `normalize_image()` from `vllm/multimodal/image.py` right after `Image.open`, and
 //! `normalize_image` is `PIL.ImageOps.exif_transpose`. In the newest `image.py` we could read
@@ -89,12 +89,12 @@
 //!   which is not where Pillow looks for a late `eXIf`. The orientation metadata walk is a
 //!   separate chunk walk over the stream.
 //! * GIF: [`::gif`] 0.14 (features: `std` only; `color_quant`/`raii_no_panic` are encoder
-//!   features). Its `StreamingDecoder` is fed the pieces as they come, and [`gif`] replays the
+//!   features). Its `StreamingDecoder` is fed the pieces as they come, and module `gif` replays the
 //!   event handling of `DecodeOptions::read_info` + `Decoder::next_frame_info` (which stops at
 //!   the first image descriptor, the frame extent Pillow uses), including the 1 MiB limit on
 //!   XMP/ICC application data that the slice reader set; the data itself is counted, not kept.
 //! * WebP: the validation of [`image_webp`] 0.2's `WebPDecoder::new` (no features), replayed
-//!   over the stream by [`webp`]: `new` seeks backwards (to the `ANIM` chunk and into the first
+//!   over the stream by module `webp`: `new` seeks backwards (to the `ANIM` chunk and into the first
 //!   `ANMF` frame) after walking every chunk header, which a stream cannot do, so the reader
 //!   walks the same headers forward, keeps the few bytes `new` reads (the `ANIM` payload, the
 //!   first frame's sub-chunk header) and reports the crate's own error values. The EXIF/XMP

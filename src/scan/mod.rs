@@ -13,7 +13,7 @@
 //! `model`, `cache_salt`, `stream`; `messages` with each message's `role` and `content` (a
 //! string, or parts: text, and media of every shape vLLM accepts); or `prompt` (a string, a
 //! list of strings, or token ids). Everything else is skipped without building values, but
-//! still validated as JSON with serde_json's rules ([`json`]), so a body that was bad JSON is
+//! still validated as JSON with serde_json's rules (module `json`), so a body that was bad JSON is
 //! still an error. Keys come in any order: `model` may follow `messages`.
 //!
 //! Media parts (vLLM's `vllm/entrypoints/chat_utils.py`): `image_url` (an object with `url`, or

@@ -8,7 +8,7 @@
 //! as an Envoy EDS file), [`scrape`]
 //! (`/metrics`), [`events`] (ZMQ subscription, sequence, replay), [`residency`] (a worker's
 //! resident blocks and images), [`journal`] (changes for feed deltas), [`registry`] (the
-//! shared state and its views), [`http`] (endpoints), [`log`] (stderr lines).
+//! shared state and its views), [`http`] (endpoints), [`log`](mod@log) (stderr lines).
 
 mod cli;
 mod dns_guard;
