@@ -94,8 +94,8 @@
 //!   the first image descriptor, the frame extent Pillow uses), including the 1 MiB limit on
 //!   XMP/ICC application data that the slice reader set; the data itself is counted, not kept.
 //! * WebP: the validation of [`image_webp`] 0.2's `WebPDecoder::new` (no features), replayed
-//!   over the stream by module `webp`: `new` seeks backwards (to the `ANIM` chunk and into the first
-//!   `ANMF` frame) after walking every chunk header, which a stream cannot do, so the reader
+//!   over the stream by module `webp`: `new` seeks backwards (to the `ANIM` chunk and into the
+//!   first `ANMF` frame) after walking every chunk header, which a stream cannot do, so the reader
 //!   walks the same headers forward, keeps the few bytes `new` reads (the `ANIM` payload, the
 //!   first frame's sub-chunk header) and reports the crate's own error values. The EXIF/XMP
 //!   chunks are found by a second walk, as before.

@@ -6,7 +6,8 @@ use crate::scoring::Estimate;
 /// Why a request was routed without its cache affinity (to the least-loaded worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
-    /// The body could not be analysed: [`crate::analysis::AnalyzeError::reason`] (`bad_json`, `bad_image`, ...).
+    /// The body could not be analysed: [`crate::analysis::AnalyzeError::reason`]
+    /// (`bad_json`, `bad_image`, ...).
     Analyze(&'static str),
     /// The body was larger than `limits.max_body_bytes`.
     TooLarge,
