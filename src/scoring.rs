@@ -99,6 +99,12 @@
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
 //!   joining the first; past it, the request goes where the cost says.
 //!
+//! A group gets its home at first sight, before its popularity is known, so two popular groups
+//! can share a worker. When a group's home carries more than `home_rebalance_above` (default
+//! 1.25) times the mean homed traffic, and the group is at most half the difference to the
+//! least homed worker, its home moves there ([`crate::state::homes::Homes::rebalance`]): with
+//! 2 workers the load bound above never binds, and nothing else corrects such a split.
+//!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
 //! best are ties: the tied worker with the longest match wins (a second copy of a prefix for
@@ -164,6 +170,11 @@ pub struct ScoringConfig {
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
     /// seen that many, the first groups would look like all of the traffic and not be held.
     pub home_share_min_requests: f64,
+    /// A group's home moves to the worker with the least homed traffic when it carries more
+    /// than this many times the mean homed traffic (and the group is at most half the
+    /// difference; see [`crate::state::homes::Homes::rebalance`]). Default 1.25; 0 = homes
+    /// never move.
+    pub home_rebalance_above: f64,
 }
 
 impl Default for ScoringConfig {
@@ -181,6 +192,7 @@ impl Default for ScoringConfig {
             home_load_slack: 1.0,
             home_load_floor: 2,
             home_share_min_requests: 4.0,
+            home_rebalance_above: 1.25,
         }
     }
 }
@@ -200,6 +212,7 @@ impl ScoringConfig {
             ("recompute_weight", self.recompute_weight),
             ("home_load_slack", self.home_load_slack),
             ("home_share_min_requests", self.home_share_min_requests),
+            ("home_rebalance_above", self.home_rebalance_above),
         ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(ConfigError::new(
@@ -207,6 +220,12 @@ impl ScoringConfig {
                     "must be a finite number >= 0",
                 ));
             }
+        }
+        if self.home_rebalance_above > 0.0 && self.home_rebalance_above < 1.0 {
+            return Err(ConfigError::new(
+                "scoring.home_rebalance_above",
+                "must be 0 (off) or >= 1 (a multiple of the mean)",
+            ));
         }
         Ok(())
     }

@@ -153,6 +153,14 @@ fn validation_names_bad_values() {
             r#"{"scoring":{"recompute_weight":-1}}"#,
             "scoring.recompute_weight",
         ),
+        (
+            r#"{"scoring":{"home_rebalance_above":0.5}}"#,
+            "scoring.home_rebalance_above",
+        ),
+        (
+            r#"{"scoring":{"home_rebalance_above":-1}}"#,
+            "scoring.home_rebalance_above",
+        ),
         (r#"{"scoring":{"inflight_weight":4}}"#, "inflight_weight"),
     ] {
         let e = RouterConfig::from_json(json.as_bytes()).expect_err(json);

@@ -203,6 +203,72 @@ impl Homes {
         }
         Some(home.slot)
     }
+
+    /// Moves `group`'s home to the worker with the least homed rate when its home carries
+    /// more than `rule.above` times the mean homed rate of the eligible workers, and the move
+    /// leaves that worker no busier than the home it left (the group's rate is at most half
+    /// the difference, so the group does not move back at its next request). Nothing moves
+    /// before the table has seen `rule.min_total` requests (decayed). Returns the group's
+    /// home afterwards (None for a group the table does not hold).
+    ///
+    /// A group gets its home at first sight, before its popularity is known: at start-up all
+    /// groups arrive within a second, and 4 of 6 groups could share one of 2 workers and
+    /// bring it 4 in 5 requests. With 2 workers the in-flight bound of `goes_home` never binds
+    /// (twice the mean is every request in flight), so nothing else corrects that split.
+    pub fn rebalance(
+        &mut self,
+        group: u64,
+        eligible: &[Eligible],
+        now_ms: u64,
+        half_life_ms: u64,
+        rule: Rebalance,
+    ) -> Option<usize> {
+        let at = self.entries.iter().position(|h| h.group == group)?;
+        let own = *self.entries.get(at)?;
+        let home = usize::from(own.slot);
+        if rule.above <= 0.0 || eligible.len() < 2 {
+            return Some(home);
+        }
+        let total: f64 = self
+            .entries
+            .iter()
+            .map(|h| h.rate_at(now_ms, half_life_ms))
+            .sum();
+        if total < rule.min_total {
+            return Some(home);
+        }
+        let rates: Vec<(Eligible, f64)> = eligible
+            .iter()
+            .map(|e| (*e, self.homed_rate(e.slot, now_ms, half_life_ms)))
+            .collect();
+        let mean = rates.iter().map(|(_, r)| r).sum::<f64>() / rates.len() as f64;
+        let (Some(&(_, at_home)), Some(&(least, at_least))) = (
+            rates.iter().find(|(e, _)| e.slot == home),
+            rates.iter().min_by(|a, b| a.1.total_cmp(&b.1)),
+        ) else {
+            return Some(home);
+        };
+        let rate = own.rate_at(now_ms, half_life_ms);
+        if least.slot == home || at_home <= rule.above * mean || rate > (at_home - at_least) / 2.0 {
+            return Some(home);
+        }
+        let slot = u16::try_from(least.slot).ok()?;
+        if let Some(h) = self.entries.get_mut(at) {
+            h.slot = slot;
+            h.incarnation = least.incarnation;
+        }
+        Some(least.slot)
+    }
+}
+
+/// When [`Homes::rebalance`] moves a group's home.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rebalance {
+    /// The home's homed rate over the eligible workers' mean above which a group may move
+    /// (0 = never).
+    pub above: f64,
+    /// Requests (decayed) the table must have seen first.
+    pub min_total: f64,
 }
 
 #[cfg(test)]
@@ -301,6 +367,69 @@ mod tests {
             );
         }
         assert_eq!(Homes::decode(&[2, 0, 0]), Homes::default());
+    }
+
+    /// Groups with these rates (decayed to `seen_ms` 0) homed on these slots.
+    fn table(groups: &[(u64, u16, f32)]) -> Homes {
+        Homes {
+            entries: groups
+                .iter()
+                .map(|&(group, slot, rate)| Home {
+                    group,
+                    slot,
+                    incarnation: 0,
+                    rate,
+                    seen_ms: 0,
+                })
+                .collect(),
+        }
+    }
+
+    const MOVE: Rebalance = Rebalance {
+        above: 1.25,
+        min_total: 8.0,
+    };
+
+    #[test]
+    fn a_group_moves_off_a_home_with_far_more_than_the_mean_to_the_least_homed_worker() {
+        // Worker 0 carries 21 of 25 recent requests (mean 12.5; 1.25 × 12.5 = 15.6).
+        let mut homes = table(&[(1, 0, 10.0), (2, 0, 6.0), (3, 0, 5.0), (4, 1, 4.0)]);
+        let w = workers(2);
+        // Group 2 (6) is at most half the difference (8.5): it moves, 15 against 10 after.
+        assert_eq!(homes.rebalance(2, &w, 0, 60_000, MOVE), Some(1));
+        assert_eq!(homes.entries[1].slot, 1);
+        // Now worker 0 has 15, within 1.25 × the mean: group 3 stays.
+        assert_eq!(homes.rebalance(3, &w, 0, 60_000, MOVE), Some(0));
+        // And group 2 does not move back: worker 1 is below the mean.
+        assert_eq!(homes.rebalance(2, &w, 0, 60_000, MOVE), Some(1));
+        // Over three workers the least homed one takes it.
+        let mut homes = table(&[(1, 0, 10.0), (2, 0, 6.0), (4, 1, 4.0), (5, 2, 1.0)]);
+        assert_eq!(homes.rebalance(2, &workers(3), 0, 60_000, MOVE), Some(2));
+    }
+
+    #[test]
+    fn a_group_does_not_move_where_it_would_overshoot_or_before_the_table_has_seen_enough() {
+        let w = workers(2);
+        // Group 1 (10) is more than half the difference (21 − 4 = 17): moving it would
+        // leave worker 1 the busier (14 against 11), and it would move back.
+        let mut homes = table(&[(1, 0, 10.0), (2, 0, 6.0), (3, 0, 5.0), (4, 1, 4.0)]);
+        assert_eq!(homes.rebalance(1, &w, 0, 60_000, MOVE), Some(0));
+        // A group alone on its home never moves.
+        let mut homes = table(&[(1, 0, 20.0), (4, 1, 1.0)]);
+        assert_eq!(homes.rebalance(1, &w, 0, 60_000, MOVE), Some(0));
+        // Too little traffic seen (25 < 30), or the rule off: nothing moves.
+        let mut homes = table(&[(1, 0, 10.0), (2, 0, 6.0), (3, 0, 5.0), (4, 1, 4.0)]);
+        let early = Rebalance {
+            min_total: 30.0,
+            ..MOVE
+        };
+        assert_eq!(homes.rebalance(2, &w, 0, 60_000, early), Some(0));
+        let off = Rebalance { above: 0.0, ..MOVE };
+        assert_eq!(homes.rebalance(2, &w, 0, 60_000, off), Some(0));
+        // One eligible worker, or a group the table does not hold.
+        assert_eq!(homes.rebalance(2, &w[..1], 0, 60_000, MOVE), Some(0));
+        assert_eq!(homes.rebalance(99, &w, 0, 60_000, MOVE), None);
+        assert_eq!(homes.entries[1].slot, 0);
     }
 
     #[test]

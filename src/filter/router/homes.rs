@@ -4,7 +4,7 @@
 
 use super::Router;
 use crate::scoring::{Candidate, Choice, goes_home};
-use crate::state::homes::{Eligible, Homes};
+use crate::state::homes::{Eligible, Homes, Rebalance};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
 
@@ -46,11 +46,22 @@ impl Router {
             })
             .collect();
         let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
-        let half_life = self.config.router.scoring.footprint_half_life_ms;
+        let scoring = &self.config.router.scoring;
+        let half_life = scoring.footprint_half_life_ms;
+        // Shares and moves count over at least `home_share_min_requests` per worker.
+        let n = workers.len() as f64;
+        let seen = scoring.home_share_min_requests * n;
+        let rule = Rebalance {
+            above: scoring.home_rebalance_above,
+            min_total: seen,
+        };
         let (mut home, mut table) = (None, Homes::default());
         cas_update(store, &self.keys.homes(), |bytes| {
             let mut homes = Homes::decode(bytes);
             home = homes.visit(group, &workers, preferred, now_ms, half_life, HOME_GROUPS);
+            if home.is_some() {
+                home = homes.rebalance(group, &workers, now_ms, half_life, rule);
+            }
             let encoded = homes.encode();
             table = homes;
             Some(encoded)
@@ -58,13 +69,7 @@ impl Router {
         let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
             return false;
         };
-        if !goes_home(
-            choice,
-            candidates,
-            index,
-            preamble,
-            &self.config.router.scoring,
-        ) {
+        if !goes_home(choice, candidates, index, preamble, scoring) {
             return false;
         }
         // A group with clearly more than one worker's share of the traffic (one application's
@@ -74,8 +79,6 @@ impl Router {
         // counts over at least `home_share_min_requests` per worker: at start-up the first
         // group seen is all of the traffic, and was let go at its second request. Checked
         // last: it decays every group's rate, and most requests stop at `goes_home`.
-        let n = workers.len() as f64;
-        let seen = self.config.router.scoring.home_share_min_requests * n;
         if table.share(group, now_ms, half_life, seen) * n > HOME_MAX_SHARES {
             return false;
         }

@@ -326,6 +326,73 @@ fn a_home_past_its_load_bound_is_not_held_to() {
 }
 
 #[test]
+fn a_group_whose_home_carries_far_more_than_the_mean_moves_to_the_idler_worker() {
+    // Homes are chosen at first sight, before a group's popularity is known: here two
+    // applications that turn out popular share worker A (12 and 5 recent requests, against 3
+    // on B), and A has a queue. The cost sends the next request of the smaller one (a new
+    // image) to idle B. Without the rule, the hold takes it back to A, as it would every
+    // request of both while A's queue lasts; with it, its home moves to B and it stays there.
+    let systems: Vec<String> = (0..3)
+        .map(|k| format!("You are assistant {k}. ").repeat(20))
+        .collect();
+    let run = |above: f64| {
+        let store = MemoryStore::default();
+        let mut config = home_hold(2, 1.0);
+        config.router.scoring.home_rebalance_above = above;
+        let mut r = start(&store, config);
+        // Each application's first request (finished) gives it a home: one worker gets two.
+        let mut first = Vec::new();
+        for (k, system) in systems.iter().enumerate() {
+            let t = k as u64;
+            let b = with_system(system, &png(100 + k as u32, 600), "Describe this image.");
+            let d = route(&mut r, &store, &b, t, t);
+            apply(&store, &r, t + 1);
+            assert!(r.finished(&store, &d, (t + 1) * 1000, true));
+            first.push(d.target.slot);
+        }
+        let a = if first[0] == first[1] || first[0] == first[2] {
+            first[0]
+        } else {
+            first[1]
+        };
+        let on_a: Vec<usize> = (0..3).filter(|&k| first[k] == a).collect();
+        assert_eq!(on_a.len(), 2, "{first:?}");
+        let (big, small) = (on_a[0], on_a[1]);
+        let key = r.keys().homes();
+        let (bytes, _) = store.get(&key).expect("store").expect("homes");
+        let mut homes = Homes::decode(&bytes);
+        assert_eq!(homes.entries.len(), 3);
+        for (k, h) in homes.entries.iter_mut().enumerate() {
+            assert_eq!(usize::from(h.slot), first[k]);
+            h.rate = if k == big {
+                12.0
+            } else if k == small {
+                5.0
+            } else {
+                3.0
+            };
+            h.seen_ms = 10;
+        }
+        store.set(&key, &homes.encode(), None).expect("store");
+        let load = LoadTable::new(r.keys().load());
+        load.route(&store, a, 10_000, 2_000_000);
+        let b = with_system(&systems[small], &png(200, 600), "Describe this image.");
+        let d = route(&mut r, &store, &b, 10, 7);
+        let (bytes, _) = store.get(&key).expect("store").expect("homes");
+        let home = Homes::decode(&bytes)
+            .entries
+            .get(small)
+            .map(|h| usize::from(h.slot));
+        (a, d.target.slot, home)
+    };
+    let (a, slot, home) = run(1.25);
+    assert_ne!(slot, a, "stays on the idle worker");
+    assert_eq!(home, Some(slot), "its home moved there");
+    let (a, slot, home) = run(0.0);
+    assert_eq!((slot, home), (a, Some(a)), "held to its busy home");
+}
+
+#[test]
 fn an_application_whose_prompt_is_on_every_request_is_not_held_to_one_worker() {
     // One system prompt on all traffic: more than one worker's share, so the cost
     // spreads its new content as without homes (with the hold, at 2 workers and the
