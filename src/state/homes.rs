@@ -229,18 +229,23 @@ impl Homes {
         if rule.above <= 0.0 || eligible.len() < 2 {
             return Some(home);
         }
-        let total: f64 = self
-            .entries
-            .iter()
-            .map(|h| h.rate_at(now_ms, half_life_ms))
-            .sum();
+        // One pass: each group's decayed rate once, into the total and its worker's sum
+        // (this runs at every request with a preamble, over up to 256 groups).
+        let mut rates: Vec<(Eligible, f64)> = eligible.iter().map(|e| (*e, 0.0)).collect();
+        let mut total = 0.0;
+        for h in &self.entries {
+            let r = h.rate_at(now_ms, half_life_ms);
+            total += r;
+            if let Some(w) = rates
+                .iter_mut()
+                .find(|(e, _)| e.slot == usize::from(h.slot))
+            {
+                w.1 += r;
+            }
+        }
         if total < rule.min_total {
             return Some(home);
         }
-        let rates: Vec<(Eligible, f64)> = eligible
-            .iter()
-            .map(|e| (*e, self.homed_rate(e.slot, now_ms, half_life_ms)))
-            .collect();
         let mean = rates.iter().map(|(_, r)| r).sum::<f64>() / rates.len() as f64;
         let (Some(&(_, at_home)), Some(&(least, at_least))) = (
             rates.iter().find(|(e, _)| e.slot == home),
