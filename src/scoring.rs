@@ -100,10 +100,10 @@
 //!   joining the first; past it, the request goes where the cost says.
 //!
 //! A group gets its home at first sight, before its popularity is known, so two popular groups
-//! can share a worker. When a group's home carries more than `home_rebalance_above` (default
-//! 1.25) times the mean homed traffic, and the group is at most half the difference to the
-//! least homed worker, its home moves there ([`crate::state::homes::Homes::rebalance`]): with
-//! 2 workers the load bound above never binds, and nothing else corrects such a split.
+//! can share a worker, and with 2 workers the load bound above never binds. With
+//! `home_rebalance_above` set (off by default), a group whose home carries more than that
+//! many times the mean homed traffic moves to the least homed worker, if it is at most half
+//! the difference ([`crate::state::homes::Homes::rebalance`]).
 //!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
@@ -172,8 +172,8 @@ pub struct ScoringConfig {
     pub home_share_min_requests: f64,
     /// A group's home moves to the worker with the least homed traffic when it carries more
     /// than this many times the mean homed traffic (and the group is at most half the
-    /// difference; see [`crate::state::homes::Homes::rebalance`]). Default 1.25; 0 = homes
-    /// never move.
+    /// difference; see [`crate::state::homes::Homes::rebalance`]). Default 0: homes never
+    /// move (1.25 was measured: docs/ROUTING.md, "Homes for groups").
     pub home_rebalance_above: f64,
 }
 
@@ -192,7 +192,7 @@ impl Default for ScoringConfig {
             home_load_slack: 1.0,
             home_load_floor: 2,
             home_share_min_requests: 4.0,
-            home_rebalance_above: 1.25,
+            home_rebalance_above: 0.0,
         }
     }
 }
