@@ -55,7 +55,10 @@ fn world(workers: usize, decisions_n: u64) -> World {
         let c = chain(d % 64, 1000 + d, 256);
         let slot = (d % workers as u64) as u16;
         store
-            .enqueue(&keys.decisions(), &decisions::encode(slot, d, 128, 0, &c))
+            .enqueue(
+                &keys.decisions(),
+                &decisions::encode(slot, d, 128, 0, None, &c),
+            )
             .ok();
         if d % 100 == 99 {
             drain(&store, &keys, &config, 60_000, d, 1000);
@@ -129,7 +132,7 @@ fn writer(c: &mut Criterion) {
                 w.store
                     .enqueue(
                         &w.keys.decisions(),
-                        &decisions::encode((d % 64) as u16, d, 128, 0, &c),
+                        &decisions::encode((d % 64) as u16, d, 128, 0, None, &c),
                     )
                     .ok();
             }

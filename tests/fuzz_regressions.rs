@@ -490,7 +490,8 @@ fn write_seeds() {
         }],
     }
     .encode();
-    let record = mmrouter::state::decisions::encode(1, 1_700_000_000_000, 4, 0, &[1, 2, 3]);
+    let record =
+        mmrouter::state::decisions::encode(1, 1_700_000_000_000, 4, 0, Some(4100), &[1, 2, 3]);
     let members = Members {
         version: 3,
         slots: vec![

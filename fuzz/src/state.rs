@@ -99,10 +99,14 @@ fn decision(value: &[u8]) {
     match DecisionRecord::decode(value) {
         Some(r) => assert_eq!(r.encode(), value),
         None => {
-            // u8 version 2 | u16 slot | u64 time | u32 new blocks | u32 first | u32 n | n × u64
-            let well_formed = value.len() >= 23 && value[0] == 2 && {
-                let n = u32::from_le_bytes([value[19], value[20], value[21], value[22]]);
-                u64::from(n) * 8 == (value.len() - 23) as u64
+            // u8 version 3 | u16 slot | u64 time | u32 new blocks | u32 first | u8 has stamp |
+            // u32 stamp (0 without) | u32 n | n × u64
+            let well_formed = value.len() >= 28 && value[0] == 3 && {
+                let has = value[19];
+                let stamp = u32::from_le_bytes([value[20], value[21], value[22], value[23]]);
+                let n = u32::from_le_bytes([value[24], value[25], value[26], value[27]]);
+                (has == 1 || (has == 0 && stamp == 0))
+                    && u64::from(n) * 8 == (value.len() - 28) as u64
             };
             assert!(!well_formed, "a well-framed record did not decode");
         }

@@ -400,6 +400,47 @@ mod tests {
         assert_eq!(later.matched_blocks, n);
     }
 
+    /// Routes a request to one worker whose cache holds it one and a half times over, lets
+    /// the engine store its blocks, and routes it again (precise mode). Returns the second
+    /// match and the request's blocks.
+    fn repeat_after_its_engine_stored_it() -> (usize, usize) {
+        let (store, mut router, mut state) = setup();
+        let b = body(&"a long shared system prompt with many words ".repeat(120));
+        let analysis = analyze(&b, &router.config.router).expect("analyses");
+        let n = analysis.layout.keys.len();
+        let workers = |stored: u64| {
+            vec![FeedWorker {
+                capacity: (n * 3 / 2) as u32,
+                ..worker("a", stored, 0)
+            }]
+        };
+        state
+            .apply(&router, &store, &feed(workers(0), vec![]), 1)
+            .expect("applies");
+        mark_precise(&store, &router);
+        let first = route_and_record(&mut router, &store, &analysis);
+        assert_eq!(first.matched_blocks, 0);
+        // The engine stored the request's blocks (its events moved the clock by them): the
+        // request's tail was allocated last and freed first, its head is the oldest block
+        // but still younger than the capacity.
+        state
+            .apply(&router, &store, &feed(workers(n as u64), vec![]), 1500)
+            .expect("applies");
+        mark_precise(&store, &router);
+        let again = router
+            .route_analysis(&analysis, &store, 2_000_000, 1)
+            .expect("routed");
+        (again.matched_blocks, n)
+    }
+
+    #[test]
+    fn a_request_almost_as_large_as_the_cache_is_matched_whole_after_its_engine_stored_it() {
+        // Stamped with the clock at routing, its own n blocks would have aged it by n, and
+        // only the keys younger than the capacity minus n (about half) would be left.
+        let (matched, n) = repeat_after_its_engine_stored_it();
+        assert_eq!(matched, n, "stamped with the clock after its own blocks");
+    }
+
     #[test]
     fn the_queue_ahead_of_a_worker_of_unknown_speed_drains_at_the_fleets_mean_speed() {
         let (store, mut router, mut state) = setup();

@@ -155,7 +155,9 @@ pub fn match_prefix(
 /// [`Live::age`]) plus `ahead` stays below 1. A chain's stamps only get older with depth,
 /// so the first key is the newest: the ages between the first and the deepest key are
 /// interpolated, and the match is cut where they cross. `first_age` None: the match was
-/// proven by its last key alone (one request wrote it whole), every key as old as it.
+/// proven by its last key alone (one request wrote it whole), every key as old as it. Ages
+/// may be negative: blocks stamped for the admission of a request still queued (see
+/// [`Live::signed_age`]) are touched again then, after part of the queue ahead.
 pub fn surviving_depth(
     depth: usize,
     first_age: Option<f64>,
@@ -163,8 +165,8 @@ pub fn surviving_depth(
     ahead: f64,
 ) -> usize {
     let room = 1.0 - ahead.max(0.0);
-    let deepest = deepest_age.max(0.0);
-    let first = first_age.map_or(deepest, |a| a.clamp(0.0, deepest));
+    let deepest = deepest_age;
+    let first = first_age.map_or(deepest, |a| a.min(deepest));
     if depth == 0 || !room.is_finite() || deepest < room {
         return depth;
     }
@@ -248,6 +250,11 @@ mod tests {
         // Proven by its last key alone: the chain is as old as that key.
         assert_eq!(surviving_depth(50, None, 0.5, 0.4), 50);
         assert_eq!(surviving_depth(50, None, 0.7, 0.4), 0);
+        // Stamped for an admission still ahead (a queued request shares the prefix): the
+        // blocks are touched again after part of the queue, and only the rest ages them.
+        assert_eq!(surviving_depth(50, Some(-0.3), -0.2, 0.9), 50);
+        assert_eq!(surviving_depth(50, Some(-0.3), -0.2, 1.3), 0);
+        assert_eq!(surviving_depth(101, Some(-0.1), 0.1, 1.0), 51);
         // Bad numbers never panic and never lengthen a match.
         for (f, d, a) in [
             (Some(f64::NAN), 0.5, 0.2),
@@ -255,6 +262,8 @@ mod tests {
             (None, f64::NAN, 0.1),
             (None, 0.5, f64::NAN),
             (None, 0.5, -1.0),
+            (Some(0.2), f64::NAN, 0.5),
+            (Some(-0.5), -0.1, f64::INFINITY),
         ] {
             assert!(surviving_depth(10, f, d, a) <= 10);
         }

@@ -157,10 +157,13 @@ impl Live {
 
     /// How old a stamp is, as a fraction of the capacity (0 = just touched, >= 1 = evicted).
     pub fn age(&self, stamp: u32) -> f64 {
-        let age = (self.clock as u32).wrapping_sub(stamp);
-        if age > u32::MAX / 2 {
-            return 0.0;
-        }
+        self.signed_age(stamp).max(0.0)
+    }
+
+    /// How old a stamp is, as a fraction of the capacity, negative for a stamp ahead of the
+    /// clock: a request's blocks stamped for an admission still to come (precise mode).
+    pub fn signed_age(&self, stamp: u32) -> f64 {
+        let age = (self.clock as u32).wrapping_sub(stamp) as i32;
         f64::from(age) / f64::from(self.capacity.max(1))
     }
 

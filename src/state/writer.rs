@@ -177,11 +177,13 @@ pub struct DrainStats {
     pub lost: u64,
 }
 
-/// Takes up to `max` records off the queue and applies the decisions among them: each moves its worker's allocation clock by its new
-/// blocks (unless the worker's engine events drive the clock) and footprint, and stamps its
-/// block keys with the worker's clock. The engine frees a finished request's blocks tail
-/// first, so its head stays cached longest: key `i` of a request is stamped `clock - i`. Updates are grouped per bucket: one read and at most
-/// one write per bucket touched, whatever the number of decisions.
+/// Takes up to `max` records off the queue and applies the decisions among them: each moves its
+/// worker's allocation clock by its new blocks (unless the worker's engine events drive the
+/// clock) and footprint, and stamps its block keys with the worker's clock (or, where engine
+/// events drive it, with the stamp the record carries). The engine frees a finished request's
+/// blocks tail first, so its head stays cached longest: key `i` of a request is stamped
+/// `clock - i`. Updates are grouped per bucket: one read and at most one write per bucket
+/// touched, whatever the number of decisions.
 pub fn drain(
     store: &dyn SharedStore,
     keys: &Keys,
@@ -232,7 +234,13 @@ pub fn drain(
                 r.time_ms.max(l.footprint_ms),
                 footprint_half_life_ms,
             );
-            let stamp = l.stamp();
+            // Where the engine's events drive the clock, the record carries the stamp: the
+            // clock once the engine stored the request's new blocks, which its events move
+            // the clock by later (see `Router::route_analysis`).
+            let stamp = match r.stamp {
+                Some(at) if l.flags & flag::EVENTS != 0 => at,
+                _ => l.stamp(),
+            };
             for (j, &k) in r.keys.iter().enumerate() {
                 let i = r.first.wrapping_add(j as u32);
                 touches
@@ -480,7 +488,7 @@ mod tests {
         store
             .enqueue(
                 &keys.decisions(),
-                &decisions::encode(slot, 0, new_blocks, 0, chain),
+                &decisions::encode(slot, 0, new_blocks, 0, None, chain),
             )
             .expect("enqueue");
     }

@@ -206,8 +206,21 @@ impl Router {
             .load
             .route_after(store, &snapshot, slot, now_us, prefill_us);
         let new_blocks = (keys.len() - matched) as u32;
+        // The stamp of the request's first key: the worker's clock once it has allocated the
+        // request's new blocks (key `i` gets this minus `i`). In precise mode the engine's
+        // `BlockStored` events move the clock by them only after routing, and the request's
+        // blocks start to age no earlier: stamped with the clock at routing, a request about
+        // as large as a tight cache looked evicted as soon as its engine stored it (the
+        // predicted overlap was 82-103 tokens per request short at 256 blocks per worker,
+        // docs/BENCHMARKS.md, thirty-first run). The record carries it for such a worker;
+        // in approximate mode the state writer moves the clock by the decision's new blocks,
+        // in the order it drains them, and then stamps.
+        let stamp = live
+            .get(slot)
+            .map_or(0, |l| l.clock.wrapping_add(u64::from(new_blocks)) as u32);
+        let events = live.get(slot).is_some_and(|l| l.flags & flag::EVENTS != 0);
         if matched < keys.len() {
-            self.record_last_key(store, &live, slot, keys, new_blocks);
+            self.record_last_key(store, &live, slot, keys, stamp);
         }
         // A request the worker holds in full, whose deepest (oldest) stamp is still fresh
         // (within 1/16 of the worker's capacity), adds nothing the buckets do not say: its
@@ -230,6 +243,7 @@ impl Router {
                     now_ms,
                     new_blocks,
                     first as u32,
+                    events.then_some(stamp),
                     keys.get(first..).unwrap_or(&[]),
                 ),
             )
@@ -279,17 +293,12 @@ impl Router {
         live: &LiveTable,
         slot: usize,
         keys: &[u64],
-        new_blocks: u32,
+        first_stamp: u32,
     ) {
-        let (Some(&last), Some(l)) = (keys.last(), live.get(slot)) else {
+        let Some(&last) = keys.last() else {
             return;
         };
-        let advance = if l.flags & flag::EVENTS == 0 {
-            u64::from(new_blocks)
-        } else {
-            0
-        };
-        let stamp = (l.clock.wrapping_add(advance) as u32).wrapping_sub((keys.len() - 1) as u32);
+        let stamp = first_stamp.wrapping_sub((keys.len() - 1) as u32);
         let blocks = &self.config.state.blocks;
         cas_update(
             store,

@@ -83,7 +83,7 @@ impl Router {
         store
             .enqueue(
                 &self.keys.decisions(),
-                &decisions::encode(d.target.slot as u16, now_us / 1000, 0, 0, &held.keys),
+                &decisions::encode(d.target.slot as u16, now_us / 1000, 0, 0, None, &held.keys),
             )
             .is_ok()
     }

@@ -52,8 +52,8 @@ impl Router {
                 .get(s)
                 .copied()
                 .flatten()
-                .map(|f| l.age(f));
-            let keep = surviving_depth(depth, first_age, l.age(stamp), ahead);
+                .map(|f| l.signed_age(f));
+            let keep = surviving_depth(depth, first_age, l.signed_age(stamp), ahead);
             if let Some(d) = prefix.depths.get_mut(s) {
                 *d = keep;
             }
