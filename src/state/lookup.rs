@@ -156,8 +156,8 @@ pub fn match_prefix(
 /// so the first key is the newest: the ages between the first and the deepest key are
 /// interpolated, and the match is cut where they cross. `first_age` None: the match was
 /// proven by its last key alone (one request wrote it whole), every key as old as it. Ages
-/// may be negative: blocks stamped for the admission of a request still queued (see
-/// [`Live::signed_age`]) are touched again then, after part of the queue ahead.
+/// may be negative (see [`Live::signed_age`]): a request's blocks are stamped with the clock
+/// its worker will have once it has stored them, and only the queue beyond that ages them.
 pub fn surviving_depth(
     depth: usize,
     first_age: Option<f64>,
@@ -250,8 +250,8 @@ mod tests {
         // Proven by its last key alone: the chain is as old as that key.
         assert_eq!(surviving_depth(50, None, 0.5, 0.4), 50);
         assert_eq!(surviving_depth(50, None, 0.7, 0.4), 0);
-        // Stamped for an admission still ahead (a queued request shares the prefix): the
-        // blocks are touched again after part of the queue, and only the rest ages them.
+        // Stamped ahead of the clock (a request whose engine has not stored its blocks yet):
+        // only the part of the queue beyond the stamp ages them.
         assert_eq!(surviving_depth(50, Some(-0.3), -0.2, 0.9), 50);
         assert_eq!(surviving_depth(50, Some(-0.3), -0.2, 1.3), 0);
         assert_eq!(surviving_depth(101, Some(-0.1), 0.1, 1.0), 51);

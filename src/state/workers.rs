@@ -161,7 +161,7 @@ impl Live {
     }
 
     /// How old a stamp is, as a fraction of the capacity, negative for a stamp ahead of the
-    /// clock: a request's blocks stamped for an admission still to come (precise mode).
+    /// clock: the blocks of a request whose engine has not stored them yet (precise mode).
     pub fn signed_age(&self, stamp: u32) -> f64 {
         let age = (self.clock as u32).wrapping_sub(stamp) as i32;
         f64::from(age) / f64::from(self.capacity.max(1))

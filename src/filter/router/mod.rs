@@ -211,7 +211,7 @@ impl Router {
         // `BlockStored` events move the clock by them only after routing, and the request's
         // blocks start to age no earlier: stamped with the clock at routing, a request about
         // as large as a tight cache looked evicted as soon as its engine stored it (the
-        // predicted overlap was 82-103 tokens per request short at 256 blocks per worker,
+        // predicted overlap was 67-103 tokens per request short at 256 blocks per worker,
         // docs/BENCHMARKS.md, thirty-first run). The record carries it for such a worker;
         // in approximate mode the state writer moves the clock by the decision's new blocks,
         // in the order it drains them, and then stamps.
