@@ -215,10 +215,10 @@ impl Router {
         // docs/BENCHMARKS.md, thirty-first run). The record carries it for such a worker;
         // in approximate mode the state writer moves the clock by the decision's new blocks,
         // in the order it drains them, and then stamps.
-        let stamp = live
-            .get(slot)
-            .map_or(0, |l| l.clock.wrapping_add(u64::from(new_blocks)) as u32);
-        let events = live.get(slot).is_some_and(|l| l.flags & flag::EVENTS != 0);
+        let (stamp, events) = live.get(slot).map_or((0, false), |l| {
+            let stamp = l.clock.wrapping_add(u64::from(new_blocks)) as u32;
+            (stamp, l.flags & flag::EVENTS != 0)
+        });
         if matched < keys.len() {
             self.record_last_key(store, &live, slot, keys, stamp);
         }
