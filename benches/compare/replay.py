@@ -12,9 +12,15 @@ Systems (each gets its own fresh workers, so every cache starts empty):
   sglang-bal   the same with --balance-abs-threshold 4 (default 64)
   envoy-rr     plain Envoy (render.py --no-filter), round robin over the same workers
   bound        not a router: one mock worker with an unbounded cache and no emulated time
+
+MMROUTER_CMP_KEEP_LOGS=1 keeps each run's directory (Envoy's, the sidecar's and the workers'
+logs, the rendered configuration) instead of removing it; its path is printed. With
+--router-config L=FILE holding {"decision_log": "info"}, envoy.log then has every decision
+with the wait and recompute it weighed.
 """
 import asyncio
 import json
+import os
 import re
 import shutil
 import signal
@@ -223,7 +229,10 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if os.environ.get("MMROUTER_CMP_KEEP_LOGS"):
+            print(f"replay: logs kept in {self.tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def parse_metrics(text):
