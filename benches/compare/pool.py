@@ -8,8 +8,9 @@ Single runs of a tight-cache cell move by about ±0.04, so one run's ratio says 
 takes every run directory given (each a `scripts/bench-compare --out`), pairs mmrouter's
 hit rate with SGLang's (or --against's) of the same run, family, worker count and seed, and prints per family
 and worker count: pairs, mean hit rates, their ratio, the mean difference ± its standard
-error, the pairs where mmrouter was at or above, and the mean of the runs' TTFT p99 (with the
-pairs where mmrouter's was lower or equal). A markdown table on stdout.
+error, the pairs where mmrouter was at or above, the one-worker bound's mean over the same
+runs and seeds (where the runs have it), and the mean of the runs' TTFT p99 (with the pairs
+where mmrouter's was lower or equal). A markdown table on stdout.
 """
 import json
 import math
@@ -26,7 +27,7 @@ def pairs(spec, against):
     for (fam, w, seed, s), r in by.items():
         g = by.get((fam, w, seed, against))
         if s == system and g and r.get("hit_rate") is not None and g.get("hit_rate") is not None:
-            yield (fam, w), r, g
+            yield (fam, w), r, g, by.get((fam, w, seed, "bound"))
 
 
 def main(argv):
@@ -35,14 +36,17 @@ def main(argv):
         i = argv.index("--against")
         against = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
-    cells = {}
+    cells, bounds = {}, {}
     for spec in argv:
-        for key, r, g in pairs(spec, against):
+        for key, r, g, bound in pairs(spec, against):
             cells.setdefault(key, []).append((r, g))
+            bounds.setdefault(key, []).append(bound and bound.get("hit_rate"))
     print(f"| family | workers | pairs | mmrouter | {against} | ratio | difference ± SE | mmrouter ≥ "
-          f"{against} | TTFT p99 s, mmrouter / {against} (mmrouter lower or equal) |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---|")
+          f"{against} | bound | TTFT p99 s, mmrouter / {against} (mmrouter lower or equal) |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for (fam, w), ps in sorted(cells.items()):
+        bs = bounds.get((fam, w), [])
+        bound = f"{statistics.fmean(bs):.3f}" if bs and None not in bs else "-"
         a = [r["hit_rate"] for r, _ in ps]
         b = [g["hit_rate"] for _, g in ps]
         d = [x - y for x, y in zip(a, b)]
@@ -56,7 +60,7 @@ def main(argv):
             lower = sum(1 for x, y in zip(pa, pb) if x <= y)
             p99 = f"{statistics.fmean(pa):.2f} / {statistics.fmean(pb):.2f} ({lower} of {len(ps)})"
         print(f"| {fam} | {w} | {len(ps)} | {ma:.3f} | {mb:.3f} | {ma / mb:.2f}× | "
-              f"{statistics.fmean(d):+.3f} ± {se:.3f} | {sum(1 for x in d if x >= 0)} | {p99} |")
+              f"{statistics.fmean(d):+.3f} ± {se:.3f} | {sum(1 for x in d if x >= 0)} | {bound} | {p99} |")
 
 
 if __name__ == "__main__":
