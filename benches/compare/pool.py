@@ -6,7 +6,8 @@
 
 Single runs of a tight-cache cell move by about ±0.04, so one run's ratio says little. This
 takes every run directory given (each a `scripts/bench-compare --out`), pairs mmrouter's
-hit rate with SGLang's (or --against's) of the same run, family, worker count and seed, and prints per family
+hit rate with SGLang's (or --against's) of the same run, family, worker count, seed and repeat
+(--repeat), and prints per family
 and worker count: pairs, mean hit rates, their ratio, the mean difference ± its standard
 error, the pairs where mmrouter was at or above, the one-worker bound's mean over the same
 runs and seeds (where the runs have it), and the mean of the runs' TTFT p99 (with the pairs
@@ -23,11 +24,12 @@ def pairs(spec, against):
     path, _, system = spec.partition(":")
     system = system or "mmrouter"
     results = json.loads((Path(path) / "results.json").read_text())
-    by = {(r["family"], r["workers"], r["seed"], r["system"]): r for r in results}
-    for (fam, w, seed, s), r in by.items():
-        g = by.get((fam, w, seed, against))
+    by = {(r["family"], r["workers"], r["seed"], r["system"], r.get("repeat", 0)): r
+          for r in results}
+    for (fam, w, seed, s, rep), r in by.items():
+        g = by.get((fam, w, seed, against, rep))
         if s == system and g and r.get("hit_rate") is not None and g.get("hit_rate") is not None:
-            yield (fam, w), r, g, by.get((fam, w, seed, "bound"))
+            yield (fam, w), r, g, by.get((fam, w, seed, "bound", rep), by.get((fam, w, seed, "bound", 0)))
 
 
 def main(argv):
