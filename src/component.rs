@@ -105,6 +105,7 @@ impl Guest for Router {
                     running: w.running,
                     prefill_tps: w.prefill_tps,
                     footprint: w.footprint,
+                    capacity_blocks: None,
                     inflight: w.inflight,
                     holds_conversation: false,
                 },

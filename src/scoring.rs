@@ -97,7 +97,11 @@
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
 //!   any load), or `home_load_floor` (default 2) where that is more: at low load the bound is
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
-//!   joining the first; past it, the request goes where the cost says.
+//!   joining the first. A home whose cache still holds what it took recently (its footprint
+//!   plus this request's new blocks within its capacity) may carry up to
+//!   `home_fit_load_factor` (default 2) times that bound: there a short wait costs less than
+//!   the copy of the preamble, and more of the group does not evict the home's other
+//!   conversations. Past it, the request goes where the cost says.
 //!
 //! A group gets its home at first sight, before its popularity is known, so two popular groups
 //! can share a worker, and with 2 workers the load bound above never binds. With
@@ -166,6 +170,13 @@ pub struct ScoringConfig {
     /// (default 2; 0 = no floor). At low load the bound above is 1, so a group's second
     /// request could not join the first on its home and copied the preamble elsewhere.
     pub home_load_floor: u32,
+    /// How many times its load bound a home may carry while its cache still holds what it
+    /// took recently (its footprint plus this request's new blocks within its capacity;
+    /// default 2; 1 = never past the bound). Where the home's cache holds its recent
+    /// conversations, a group's request that waits there briefly costs less than the copy of
+    /// the preamble it would make elsewhere; past its capacity, more of the group there
+    /// would evict the home's other conversations.
+    pub home_fit_load_factor: f64,
     /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
     /// seen that many, the first groups would look like all of the traffic and not be held.
@@ -191,6 +202,7 @@ impl Default for ScoringConfig {
             home_hold: true,
             home_load_slack: 1.0,
             home_load_floor: 2,
+            home_fit_load_factor: 2.0,
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
         }
@@ -220,6 +232,12 @@ impl ScoringConfig {
                     "must be a finite number >= 0",
                 ));
             }
+        }
+        if !(self.home_fit_load_factor.is_finite() && self.home_fit_load_factor >= 1.0) {
+            return Err(ConfigError::new(
+                "scoring.home_fit_load_factor",
+                "must be a finite number >= 1 (1 = off)",
+            ));
         }
         if self.home_rebalance_above > 0.0 && self.home_rebalance_above < 1.0 {
             return Err(ConfigError::new(
@@ -256,6 +274,8 @@ pub struct Candidate {
     pub prefill_tps: Option<f64>,
     /// Recent new blocks put on the worker (decayed).
     pub footprint: f64,
+    /// KV capacity in blocks of the request's size, when known.
+    pub capacity_blocks: Option<f64>,
     /// Requests in flight (tie-break).
     pub inflight: u32,
     /// The worker holds the conversation this request continues (the blocks before its last
@@ -287,6 +307,8 @@ pub struct Choice {
     pub estimates: Vec<Estimate>,
     /// The longest match over all candidates.
     pub best_matched: usize,
+    /// The request's keyed blocks.
+    pub request_blocks: usize,
 }
 
 impl Choice {
@@ -346,7 +368,16 @@ pub fn goes_home(
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));
-    f64::from(h.inflight) + 1.0 <= bound
+    let carries = f64::from(h.inflight) + 1.0;
+    if carries <= bound {
+        return true;
+    }
+    // Past the bound, a home whose cache still holds what it took recently, this request's
+    // new blocks included, may carry up to `home_fit_load_factor` times the bound.
+    let new_blocks = choice.request_blocks.saturating_sub(h.matched_blocks) as f64;
+    let fits = known(h.capacity_blocks)
+        .is_some_and(|capacity| h.footprint.max(0.0) + new_blocks <= capacity);
+    fits && carries <= (bound * config.home_fit_load_factor.max(1.0)).floor()
 }
 
 fn known(v: Option<f64>) -> Option<f64> {
@@ -412,6 +443,7 @@ pub fn choose(
         ranking,
         estimates,
         best_matched,
+        request_blocks: request.total_blocks,
     })
 }
 

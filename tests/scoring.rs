@@ -56,6 +56,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);
     assert_eq!(c.home_load_floor, 2);
+    assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_share_min_requests, 4.0);
     assert!(c.validate().is_ok());
 }
@@ -135,6 +136,63 @@ fn a_request_goes_home_only_where_its_chosen_worker_would_recompute_the_preamble
     let c = chosen(&ws);
     assert_eq!(c.index, 1);
     assert!(!goes_home(&c, &ws, 1, preamble, &slack(1.0)));
+}
+
+#[test]
+fn a_home_whose_cache_holds_what_it_took_recently_carries_up_to_twice_its_bound() {
+    // 40 blocks, 10 of them the preamble: 30 new blocks at the home, which has a cache of
+    // 4096 blocks. The other workers are idle and hold nothing.
+    let preamble = 10;
+    let floored = ScoringConfig {
+        home_load_floor: 2,
+        ..slack(1.0)
+    };
+    let home = |inflight: u32, footprint: f64, capacity: Option<f64>| Candidate {
+        inflight,
+        footprint,
+        capacity_blocks: capacity,
+        ..worker(preamble, 0.2)
+    };
+    let fleet = |n: usize, h: Candidate| {
+        let mut ws = vec![worker(0, 0.0); n];
+        ws[1] = h;
+        ws
+    };
+    let held = |ws: &[Candidate], config: &ScoringConfig| {
+        let c = choose(request(40), ws, config, 0).expect("a choice");
+        assert_ne!(c.index, 1, "the cost alone leaves the busy home");
+        goes_home(&c, ws, 1, preamble, config)
+    };
+    // 4 workers, 2 in flight at home: 3 with this one, past the bound (the floor, 2).
+    let ws = fleet(4, home(2, 1000.0, Some(4096.0)));
+    assert!(
+        held(&ws, &floored),
+        "footprint 1000 + 30 new blocks fit in 4096: up to 2 × 2 = 4 in flight"
+    );
+    let full = fleet(4, home(2, 4070.0, Some(4096.0)));
+    assert!(
+        !held(&full, &floored),
+        "4070 + 30 blocks do not fit in 4096"
+    );
+    let unknown = fleet(4, home(2, 0.0, None));
+    assert!(!held(&unknown, &floored), "an unknown capacity is not room");
+    let off = ScoringConfig {
+        home_fit_load_factor: 1.0,
+        ..floored.clone()
+    };
+    assert!(!held(&ws, &off), "a factor of 1 keeps the bound");
+    // 8 workers: 4 in flight at home, 5 with this one, against a bound of 2 (ceil(2 × 5 /
+    // 8) = 2): past twice the bound. With 3 in flight, 4 is within it.
+    assert!(!held(&fleet(8, home(4, 0.0, Some(4096.0))), &floored));
+    assert!(held(&fleet(8, home(3, 0.0, Some(4096.0))), &floored));
+    // The factor is validated.
+    for bad in [0.5, f64::NAN, f64::INFINITY] {
+        let config = ScoringConfig {
+            home_fit_load_factor: bad,
+            ..config()
+        };
+        assert!(config.validate().is_err(), "{bad}");
+    }
 }
 
 #[test]

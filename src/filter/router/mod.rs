@@ -396,6 +396,7 @@ fn candidate(
         running: metrics.map(|m| m.running),
         prefill_tps: (l.prefill_tps > 0.0).then_some(f64::from(l.prefill_tps)),
         footprint: l.footprint_at(now_ms, half_life_ms),
+        capacity_blocks: (l.capacity > 0).then_some(f64::from(l.capacity)),
         inflight: load.inflight,
         holds_conversation: false,
     }

@@ -285,13 +285,10 @@ fn at_start_up_the_first_group_seen_is_held_to_its_home() {
     );
 }
 
-#[test]
-fn a_home_past_its_load_bound_is_not_held_to() {
+/// Two workers, slack 0.25: another application's 8 finished requests, then 8 of this one's,
+/// none finished, each with a new image. Returns where the 8 went and whether any was held.
+fn fill_home(config: FilterConfig) -> (Vec<usize>, bool) {
     let store = MemoryStore::default();
-    let mut config = home_hold(2, 0.25);
-    // Shares over what the table has seen: the other application's 8 requests below make
-    // this one's no more than one worker's share from its first request on.
-    config.router.scoring.home_share_min_requests = 0.0;
     let mut r = start(&store, config);
     let system = "You are assistant one. ".repeat(20);
     // Another application's traffic first (finished), so that this one's is no more than
@@ -303,8 +300,6 @@ fn a_home_past_its_load_bound_is_not_held_to() {
         apply(&store, &r, u64::from(i) + 1);
         assert!(r.finished(&store, &d, (u64::from(i) + 1) * 1000, true));
     }
-    // None finishes: the home fills up to the bound (ceil(1.25 × mean)), then the rest go
-    // to the other worker.
     let (mut slots, mut held) = (Vec::new(), false);
     for i in 0..8u32 {
         let b = with_system(&system, &png(600 + i, 600), "Describe this image.");
@@ -313,15 +308,58 @@ fn a_home_past_its_load_bound_is_not_held_to() {
         slots.push(d.target.slot);
         held |= d.home;
     }
+    (slots, held)
+}
+
+/// `home_hold(2, 0.25)` with shares over what the table has seen: the other application's
+/// 8 requests make this one's no more than one worker's share from its first request on.
+fn bounded_home(fit_load_factor: f64, capacity_blocks: u32) -> FilterConfig {
+    let mut config = home_hold(2, 0.25);
+    config.router.scoring.home_share_min_requests = 0.0;
+    config.router.scoring.home_fit_load_factor = fit_load_factor;
+    config.state.capacity_blocks = capacity_blocks;
+    config
+}
+
+#[test]
+fn a_home_past_its_load_bound_is_not_held_to() {
+    // None finishes: the home fills up to the bound (ceil(1.25 × mean)), then the rest go to
+    // the other worker.
+    let roomy = config(2).state.capacity_blocks;
+    let (slots, held) = fill_home(bounded_home(1.0, roomy));
     assert!(
         held,
         "the hold kept some at home against the cost: {slots:?}"
     );
-    let home = slots[0];
-    let at_home = slots.iter().filter(|&&s| s == home).count();
+    let at_home = slots.iter().filter(|&&s| s == slots[0]).count();
     assert!(
         (4..=5).contains(&at_home),
         "at most ceil(1.25 × 8 / 2) = 5 at home, and not spread evenly by cost alone: {slots:?}"
+    );
+}
+
+#[test]
+fn a_home_whose_cache_holds_what_it_took_recently_is_held_to_past_its_bound() {
+    // The same requests with the default `home_fit_load_factor` (2): while the home's cache
+    // holds its footprint and the request's new blocks, it carries up to twice the bound,
+    // here all 8 (twice ceil(1.25 × 8 / 2) = 10).
+    let roomy = config(2).state.capacity_blocks;
+    let (slots, held) = fill_home(bounded_home(2.0, roomy));
+    assert!(held, "{slots:?}");
+    let at_home = slots.iter().filter(|&&s| s == slots[0]).count();
+    assert_eq!(at_home, 8, "all at home: {slots:?}");
+    // A cache of 3 of these requests: the footprint outgrows it and the bound holds again.
+    let blocks = {
+        let store = MemoryStore::default();
+        let mut r = start(&store, config(2));
+        let b = with_system(&"x".repeat(10), &png(600, 600), "Describe this image.");
+        route(&mut r, &store, &b, 0, 0).total_blocks as u32
+    };
+    let (slots, _) = fill_home(bounded_home(2.0, 3 * blocks));
+    let at_home = slots.iter().filter(|&&s| s == slots[0]).count();
+    assert!(
+        (4..=5).contains(&at_home),
+        "{blocks} blocks each: {slots:?}"
     );
 }
 
