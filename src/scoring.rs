@@ -345,7 +345,8 @@ impl Choice {
 /// chosen candidate (see "Homes" above): the chosen worker would recompute the group's
 /// preamble (where it holds the preamble, or more, the request finds its prefix there, and a
 /// conversation's history or an image stays where it is cached), and the home's load is within
-/// the bound.
+/// the bound, or within `home_fit_load_factor` times it while the home's cache holds its
+/// footprint and this request's new blocks.
 pub fn goes_home(
     choice: &Choice,
     candidates: &[Candidate],
