@@ -87,11 +87,13 @@
 //!   caches hold the working set every worker soon holds every preamble and the cost
 //!   balances as before; the hold acts only where the preamble is gone, under cache
 //!   pressure; and
-//! - the group has at most 1.5 workers' shares of the recent traffic (its decayed request
-//!   rate over all groups', times the workers): one application's system prompt on every
-//!   request is no group to keep on one worker (the filter checks this, from the homes
-//!   table, over at least `home_share_min_requests` per worker, so that the first groups seen
-//!   at start-up do not look like all of the traffic); and
+//! - the group has at most `home_max_shares` (1.5) workers' shares of the recent traffic
+//!   (its decayed request rate over all groups', times the workers): one application's
+//!   system prompt on every request is no group to keep on one worker whose cache turns
+//!   over (the filter checks this, from the homes table, over at least
+//!   `home_share_min_requests` per worker, so that the first groups seen at start-up do not
+//!   look like all of the traffic). With `home_fit_lifts_share_limit` (off by default) the
+//!   limit does not apply while the home's cache holds its footprint (as below); and
 //! - the home is not overloaded: its requests in flight, this one included, are at most
 //!   `ceil((1 + home_load_slack) × mean)` over the candidates (the bound of consistent hashing
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
@@ -177,6 +179,16 @@ pub struct ScoringConfig {
     /// the preamble it would make elsewhere; past its capacity, more of the group there
     /// would evict the home's other conversations.
     pub home_fit_load_factor: f64,
+    /// A group is held to its home while it has at most this many workers' shares of the
+    /// recent traffic (default 1.5): one application's system prompt on every request is no
+    /// group to keep on one worker whose cache cannot hold it.
+    pub home_max_shares: f64,
+    /// The share limit does not apply while the home's cache holds what it took recently
+    /// (its footprint plus this request's new blocks within its capacity; default false).
+    /// There the group's requests find its preamble at home, and the load bound still
+    /// spreads what the home cannot carry. Measured: level with SGLang in `sessions` with 8
+    /// workers, but −0.022 in tight-256 with 8 (docs/ROUTING.md, "Homes for groups").
+    pub home_fit_lifts_share_limit: bool,
     /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
     /// seen that many, the first groups would look like all of the traffic and not be held.
@@ -203,6 +215,8 @@ impl Default for ScoringConfig {
             home_load_slack: 1.0,
             home_load_floor: 2,
             home_fit_load_factor: 2.0,
+            home_max_shares: 1.5,
+            home_fit_lifts_share_limit: false,
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
         }
@@ -223,6 +237,7 @@ impl ScoringConfig {
             ("temperature", self.temperature),
             ("recompute_weight", self.recompute_weight),
             ("home_load_slack", self.home_load_slack),
+            ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
             ("home_rebalance_above", self.home_rebalance_above),
         ] {
@@ -375,10 +390,16 @@ pub fn goes_home(
     }
     // Past the bound, a home whose cache still holds what it took recently, this request's
     // new blocks included, may carry up to `home_fit_load_factor` times the bound.
-    let new_blocks = choice.request_blocks.saturating_sub(h.matched_blocks) as f64;
-    let fits = known(h.capacity_blocks)
-        .is_some_and(|capacity| h.footprint.max(0.0) + new_blocks <= capacity);
-    fits && carries <= (bound * config.home_fit_load_factor.max(1.0)).floor()
+    home_holds_its_footprint(choice, h)
+        && carries <= (bound * config.home_fit_load_factor.max(1.0)).floor()
+}
+
+/// Whether a home's cache still holds what it took recently: its footprint plus the
+/// request's new blocks there within its KV capacity (unknown capacity: no).
+pub fn home_holds_its_footprint(choice: &Choice, home: &Candidate) -> bool {
+    let new_blocks = choice.request_blocks.saturating_sub(home.matched_blocks) as f64;
+    known(home.capacity_blocks)
+        .is_some_and(|capacity| home.footprint.max(0.0) + new_blocks <= capacity)
 }
 
 fn known(v: Option<f64>) -> Option<f64> {

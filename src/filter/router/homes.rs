@@ -3,14 +3,10 @@
 //! preamble (docs/ROUTING.md, "Homes for groups").
 
 use super::Router;
-use crate::scoring::{Candidate, Choice, goes_home};
+use crate::scoring::{Candidate, Choice, goes_home, home_holds_its_footprint};
 use crate::state::homes::{Eligible, Homes, Rebalance};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
-
-/// A group is held to its home while it has at most this many workers' shares of the traffic
-/// (`scoring.home_hold`).
-const HOME_MAX_SHARES: f64 = 1.5;
 
 /// Groups the homes table keeps (`scoring.home_hold`): about 23 bytes each, so one read of
 /// the table copies at most 6 KiB.
@@ -73,13 +69,20 @@ impl Router {
             return false;
         }
         // A group with clearly more than one worker's share of the traffic (one application's
-        // system prompt on every request, say) cannot keep to one worker: the cost spreads it.
-        // Up to 1.5 shares are held, so that groups of about one share each (as many groups
-        // as workers) are not let go whenever their recent rates wobble above it. A share
-        // counts over at least `home_share_min_requests` per worker: at start-up the first
-        // group seen is all of the traffic, and was let go at its second request. Checked
-        // last: it decays every group's rate, and most requests stop at `goes_home`.
-        if table.share(group, now_ms, half_life, seen) * n > HOME_MAX_SHARES {
+        // system prompt on every request, say) cannot keep to one worker whose cache turns
+        // over: the cost spreads it. Up to `home_max_shares` (1.5) are held, so that groups of
+        // about one share each (as many groups as workers) are not let go whenever their
+        // recent rates wobble above it. A share counts over at least
+        // `home_share_min_requests` per worker: at start-up the first group seen is all of
+        // the traffic, and was let go at its second request. With
+        // `home_fit_lifts_share_limit` (off by default) there is no share limit while the
+        // home's cache holds its footprint (docs/ROUTING.md). Checked last: it decays every
+        // group's rate, and most requests stop at `goes_home`.
+        let lifted = scoring.home_fit_lifts_share_limit
+            && candidates
+                .get(index)
+                .is_some_and(|h| home_holds_its_footprint(choice, h));
+        if !lifted && table.share(group, now_ms, half_life, seen) * n > scoring.home_max_shares {
             return false;
         }
         choice.prefer(index);

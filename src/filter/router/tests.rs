@@ -430,30 +430,72 @@ fn a_group_whose_home_carries_far_more_than_the_mean_moves_to_the_idler_worker()
     assert_eq!((slot, home), (a, Some(a)), "held to its busy home");
 }
 
-#[test]
-fn an_application_whose_prompt_is_on_every_request_is_not_held_to_one_worker() {
-    // One system prompt on all traffic: more than one worker's share, so the cost
-    // spreads its new content as without homes (with the hold, at 2 workers and the
-    // default bound, every request would go to the one home). Its share counts over at
-    // least 4 requests per worker (8 here): the first 6 of them (6 / 8 × 2 workers = 1.5
-    // shares) may be held; from the 8th on the table has seen enough.
+/// One system prompt on all traffic, 2 workers, 16 requests each finished before the next,
+/// each with a new image: (worker, went home) of each.
+fn one_application(capacity_blocks: Option<u32>, lift: bool) -> Vec<(usize, bool)> {
     let store = MemoryStore::default();
-    let mut r = start(&store, home_hold(2, 1.0));
-    let system = "You are assistant one. ".repeat(20);
-    let mut slots = Vec::new();
-    for i in 0..16u32 {
-        let t = 200 + u64::from(i) * 10;
-        let b = with_system(&system, &png(900 + i, 500), "Describe this image.");
-        let d = route(&mut r, &store, &b, t, u64::from(i));
-        apply(&store, &r, t + 1);
-        assert!(r.finished(&store, &d, (t + 5) * 1000, true));
-        if i >= 7 {
-            assert!(!d.home, "request {i} held home");
-            slots.push(d.target.slot);
-        }
+    let mut config = home_hold(2, 1.0);
+    config.router.scoring.home_fit_lifts_share_limit = lift;
+    if let Some(c) = capacity_blocks {
+        config.state.capacity_blocks = c;
     }
-    let on_first = slots.iter().filter(|&&s| s == slots[0]).count();
-    assert!(on_first < slots.len(), "spread over both: {slots:?}");
+    let mut r = start(&store, config);
+    let system = "You are assistant one. ".repeat(20);
+    (0..16u32)
+        .map(|i| {
+            let t = 200 + u64::from(i) * 10;
+            let b = with_system(&system, &png(900 + i, 500), "Describe this image.");
+            let d = route(&mut r, &store, &b, t, u64::from(i));
+            apply(&store, &r, t + 1);
+            assert!(r.finished(&store, &d, (t + 5) * 1000, true));
+            (d.target.slot, d.home)
+        })
+        .collect()
+}
+
+#[test]
+fn an_application_whose_prompt_is_on_every_request_is_not_held_to_a_worker_whose_cache_turns_over()
+{
+    // One system prompt on all traffic: more than one worker's share. With a cache of three
+    // of these requests, the home's footprint outgrows it (so even with
+    // `home_fit_lifts_share_limit` the limit applies), and the cost spreads the new
+    // content as without homes (with the hold, at 2 workers and the default bound, every
+    // request would go to the one home). Its share counts over at least 4 requests per
+    // worker (8 here): the first 6 of them (6 / 8 × 2 workers = 1.5 shares) may be held;
+    // from the 8th on the table has seen enough.
+    let blocks = {
+        let store = MemoryStore::default();
+        let mut r = start(&store, config(2));
+        let b = with_system(&"x".repeat(10), &png(900, 500), "Describe this image.");
+        route(&mut r, &store, &b, 0, 0).total_blocks as u32
+    };
+    for roomy_lift in [(Some(3 * blocks), true), (None, false)] {
+        let spread = one_application(roomy_lift.0, roomy_lift.1);
+        for (i, &(_, home)) in spread.iter().enumerate().skip(7) {
+            assert!(!home, "request {i} held home: {spread:?}");
+        }
+        let first = spread.get(7).map(|&(s, _)| s);
+        assert!(
+            spread.iter().skip(7).any(|&(s, _)| Some(s) != first),
+            "spread over both: {spread:?}"
+        );
+    }
+}
+
+#[test]
+fn with_the_lift_an_application_whose_prompt_is_on_every_request_stays_home_while_its_cache_holds_it()
+ {
+    // The same traffic with the default cache (room for all of it) and
+    // `home_fit_lifts_share_limit`: the share limit does not apply, and every request goes to
+    // the worker that holds the system prompt; the hold brings back the ones the cost would
+    // send to the idle worker for balance. (Without the lift, the test above.)
+    let roomy = one_application(None, true);
+    let home = roomy.first().map(|&(s, _)| s);
+    assert!(
+        roomy.iter().all(|&(s, _)| Some(s) == home),
+        "all on the home: {roomy:?}"
+    );
+    assert!(roomy.iter().any(|&(_, h)| h), "some held: {roomy:?}");
 }
 
 #[test]
