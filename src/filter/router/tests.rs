@@ -469,8 +469,9 @@ fn an_application_whose_prompt_is_on_every_request_is_not_held_to_a_worker_whose
         let b = with_system(&"x".repeat(10), &png(900, 500), "Describe this image.");
         route(&mut r, &store, &b, 0, 0).total_blocks as u32
     };
-    for roomy_lift in [(Some(3 * blocks), true), (None, false)] {
-        let spread = one_application(roomy_lift.0, roomy_lift.1);
+    // With the lift on the small cache, and by default (no lift) on the roomy one.
+    for (capacity, lift) in [(Some(3 * blocks), true), (None, false)] {
+        let spread = one_application(capacity, lift);
         for (i, &(_, home)) in spread.iter().enumerate().skip(7) {
             assert!(!home, "request {i} held home: {spread:?}");
         }
