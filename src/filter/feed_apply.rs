@@ -383,6 +383,17 @@ mod tests {
             .route_analysis(&analysis, &store, 2_000_000, 1)
             .expect("routed");
         assert_eq!(cut.matched_blocks, 0, "{:?}", cut.estimate);
+        // The decision says what the cut took: the worker holds the request whole now.
+        let (name, held, kept) = cut.cut_at_admission.clone().expect("names the cut");
+        assert_eq!((name, held, kept), (first.target.name.clone(), n, 0));
+        let line = cut.log_line();
+        assert!(
+            line.contains(&format!(
+                "; {} holds {n}/{n} blocks now, 0 at admission",
+                first.target.name
+            )),
+            "{line}"
+        );
         // With admission_match off, the router counts what the worker holds now.
         let mut now = Router::new(
             FilterConfig::from_json(br#"{"sidecar":{},"scoring":{"admission_match":false}}"#)
@@ -392,12 +403,15 @@ mod tests {
             .route_analysis(&analysis, &store, 2_000_000, 1)
             .expect("routed");
         assert_eq!(held.matched_blocks, n);
+        assert_eq!(held.cut_at_admission, None);
         // Without a queue, the half-capacity-old match survives whole.
         let mut calm = Router::new(FilterConfig::from_json(br#"{"sidecar":{}}"#).expect("config"));
         let later = calm
             .route_analysis(&analysis, &store, 60_000_000, 1)
             .expect("routed");
         assert_eq!(later.matched_blocks, n);
+        assert_eq!(later.cut_at_admission, None, "nothing was cut");
+        assert!(!later.log_line().contains("at admission"));
     }
 
     /// Routes a request to one worker whose cache holds it one and a half times over, lets

@@ -1,12 +1,11 @@
-//! What the filter writes to Envoy's log: the state plane's events, and the `[ROUTING]` line
-//! of every decision. Only numbers, validated worker names and fixed words: nothing from a
-//! request reaches the log.
+//! What the filter writes to Envoy's log: the state plane's events, and what the URL fetches of
+//! a decision did (the `[ROUTING]` line itself is `Decision::log_line`). Only numbers,
+//! validated worker names and fixed words: nothing from a request reaches the log.
 
 use super::Shared;
 use super::host::log;
 use crate::filter::events::Event;
 use crate::filter::fetch::Plan;
-use crate::filter::router::Decision;
 use proxy_wasm::types::LogLevel;
 
 impl Shared {
@@ -76,42 +75,4 @@ pub(super) fn fetch_line(plan: &Plan) -> String {
         line.push_str(&format!(" ({})", reasons.join(", ")));
     }
     line
-}
-
-/// The `[ROUTING]` log line: what was chosen and what it was weighed against. Only numbers,
-/// validated worker names and fixed words: nothing from the request reaches the log.
-pub(super) fn decision_line(d: &Decision) -> String {
-    match d.fallback {
-        Some(why) => format!(
-            "[ROUTING] Fallback: {} (least loaded), reason {}",
-            d.target.name,
-            why.reason()
-        ),
-        None => {
-            let e = d.estimate;
-            let mut line = format!(
-                "[ROUTING] Best: {} with {}/{} blocks overlap; wait {:.1} ms, prefill {:.1} ms, recompute {:.1} ms ({})",
-                d.target.name,
-                d.matched_blocks,
-                d.total_blocks,
-                e.wait_s * 1e3,
-                e.prefill_s * 1e3,
-                e.recompute_s * 1e3,
-                if d.precise { "precise" } else { "approximate" },
-            );
-            if d.home {
-                line.push_str("; its group's home");
-            }
-            if let Some((name, matched, alt)) = &d.passed_over {
-                line.push_str(&format!(
-                    "; passed over {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms > {:.1} ms",
-                    d.total_blocks,
-                    alt.wait_s * 1e3,
-                    alt.cost_s * 1e3,
-                    e.cost_s * 1e3,
-                ));
-            }
-            line
-        }
-    }
 }

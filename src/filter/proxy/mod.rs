@@ -10,7 +10,7 @@ mod lines;
 
 use self::held::{Waiting, complete, on_fetch_reply, poll_waiting};
 use self::host::{HostDispatcher, HostStore, log, now_us};
-use self::lines::{decision_line, fetch_line};
+use self::lines::fetch_line;
 use super::config::{DecisionLog, FilterConfig};
 use super::fetch::Plan;
 use super::fetch::guard::Guard;
@@ -359,7 +359,7 @@ fn apply(s: &mut Shared, decision: Option<Decision>, fetch: Option<&Plan>) -> Op
         Some(&destination),
     );
     if let Some(level) = s.decision_level {
-        let mut line = decision_line(&decision);
+        let mut line = decision.log_line();
         if let Some(plan) = fetch {
             line.push_str(&fetch_line(plan));
         }

@@ -49,6 +49,11 @@ pub struct Decision {
     /// The best-matched worker when another was chosen: its name, matched blocks and estimate
     /// (what the decision weighed against).
     pub passed_over: Option<(String, usize, Estimate)>,
+    /// In precise mode, the worker that holds the longest prefix of the request now, when
+    /// the prefill queued ahead of the request there will evict part of it before the engine
+    /// admits it: its name, the blocks it holds now and the blocks left at admission (what
+    /// the decision counted). It says why a request left a worker that holds its history.
+    pub cut_at_admission: Option<(String, usize, usize)>,
     /// The request's estimated prefill window on the worker's queue clock, µs since the epoch
     /// (None when the load update was lost).
     pub prefill_window: Option<(u64, u64)>,
@@ -93,5 +98,53 @@ impl Decision {
             out.push_str(a);
         }
         out
+    }
+
+    /// The `[ROUTING]` log line: what was chosen and what it was weighed against. Only numbers,
+    /// validated worker names and fixed words: nothing from the request reaches the log.
+    pub fn log_line(&self) -> String {
+        match self.fallback {
+            Some(why) => format!(
+                "[ROUTING] Fallback: {} (least loaded), reason {}",
+                self.target.name,
+                why.reason()
+            ),
+            None => {
+                let e = self.estimate;
+                let mut line = format!(
+                    "[ROUTING] Best: {} with {}/{} blocks overlap; wait {:.1} ms, prefill {:.1} ms, recompute {:.1} ms ({})",
+                    self.target.name,
+                    self.matched_blocks,
+                    self.total_blocks,
+                    e.wait_s * 1e3,
+                    e.prefill_s * 1e3,
+                    e.recompute_s * 1e3,
+                    if self.precise {
+                        "precise"
+                    } else {
+                        "approximate"
+                    },
+                );
+                if self.home {
+                    line.push_str("; its group's home");
+                }
+                if let Some((name, matched, alt)) = &self.passed_over {
+                    line.push_str(&format!(
+                        "; passed over {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms > {:.1} ms",
+                        self.total_blocks,
+                        alt.wait_s * 1e3,
+                        alt.cost_s * 1e3,
+                        e.cost_s * 1e3,
+                    ));
+                }
+                if let Some((name, held, kept)) = &self.cut_at_admission {
+                    line.push_str(&format!(
+                        "; {name} holds {held}/{} blocks now, {kept} at admission",
+                        self.total_blocks
+                    ));
+                }
+                line
+            }
+        }
     }
 }

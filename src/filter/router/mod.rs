@@ -150,6 +150,7 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
+        let held_now = prefix.depths.clone();
         if live.precise && self.config.router.scoring.admission_match {
             self.cut_to_admission(&live, loads, &eligible, &mut prefix, now_us);
         }
@@ -253,6 +254,8 @@ impl Router {
             let t = self.target(s)?;
             Some((t.name, prefix.depth(s), *choice.estimates.get(i)?))
         });
+        let cut_at_admission = longest_cut(&eligible, &held_now, &prefix.depths)
+            .and_then(|(s, held, kept)| Some((self.target(s)?.name, held, kept)));
         let alternates = choice
             .ranking
             .iter()
@@ -266,6 +269,7 @@ impl Router {
             total_blocks: keys.len(),
             estimate,
             passed_over,
+            cut_at_admission,
             prefill_window: end.map(|e| (e.saturating_sub(prefill_us), e)),
             stream: analysis.stream,
             media: analysis.media.len(),
@@ -353,6 +357,7 @@ impl Router {
             total_blocks: 0,
             estimate: Estimate::default(),
             passed_over: None,
+            cut_at_admission: None,
             prefill_window: None,
             stream: false,
             media: 0,
@@ -377,6 +382,24 @@ fn mean_known_speed(live: &LiveTable, eligible: &[usize]) -> Option<f64> {
             (sum + f64::from(l.prefill_tps), n + 1)
         });
     (n > 0).then(|| sum / f64::from(n))
+}
+
+/// The eligible slot holding the longest prefix (`held`, the first of equals), when the
+/// admission cut shortened it (`kept`): the slot, its blocks held and kept.
+fn longest_cut(
+    eligible: &[usize],
+    held: &[usize],
+    kept: &[usize],
+) -> Option<(usize, usize, usize)> {
+    let (slot, most) = eligible
+        .iter()
+        .filter_map(|&s| Some((s, *held.get(s)?)))
+        .fold(None, |best: Option<(usize, usize)>, (s, h)| match best {
+            Some((_, b)) if b >= h => best,
+            _ => Some((s, h)),
+        })?;
+    let left = kept.get(slot).copied().unwrap_or(0);
+    (left < most).then_some((slot, most, left))
 }
 
 /// What the scorer needs of one worker.

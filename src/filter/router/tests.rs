@@ -146,6 +146,14 @@ fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute(
         .expect("names what it passed over");
     assert_eq!(name, first.target.name);
     assert_eq!(matched, moved.total_blocks);
+    let line = moved.log_line();
+    assert!(
+        line.starts_with(&format!("[ROUTING] Best: {} with 0/", moved.target.name))
+            && line.contains(&format!(
+                "; passed over {name} with {matched}/{matched} blocks: wait "
+            )),
+        "{line}"
+    );
     assert!(
         alt.wait_s > moved.estimate.recompute_s,
         "{alt:?} vs {:?}",
