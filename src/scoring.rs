@@ -93,14 +93,17 @@
 //!   over (the filter checks this, from the homes table, over at least
 //!   `home_share_min_requests` per worker, so that the first groups seen at start-up do not
 //!   look like all of the traffic). With `home_fit_lifts_share_limit` (off by default) the
-//!   limit does not apply while the home's cache holds its footprint (as below); and
+//!   limit does not apply while the home's cache holds its footprint (as below) and its
+//!   extra wait costs less than the preamble's weighted recompute
+//!   ([`home_wait_pays_for_preamble`]); and
 //! - the home is not overloaded: its requests in flight, this one included, are at most
 //!   `ceil((1 + home_load_slack) × mean)` over the candidates (the bound of consistent hashing
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
 //!   any load), or `home_load_floor` (default 2) where that is more: at low load the bound is
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
-//!   joining the first. A home whose cache still holds what it took recently (its footprint
-//!   plus this request's new blocks within its capacity) may carry up to
+//!   joining the first. A home whose cache still holds what it took recently (its footprint,
+//!   at least the blocks of the prefill queued there, plus this request's new blocks within
+//!   its capacity) may carry up to
 //!   `home_fit_load_factor` (default 2) times that bound: there a short wait costs less than
 //!   the copy of the preamble, and more of the group does not evict the home's other
 //!   conversations. Past it, the request goes where the cost says.
@@ -184,10 +187,11 @@ pub struct ScoringConfig {
     /// group to keep on one worker whose cache cannot hold it.
     pub home_max_shares: f64,
     /// The share limit does not apply while the home's cache holds what it took recently
-    /// (its footprint plus this request's new blocks within its capacity; default false).
-    /// There the group's requests find its preamble at home, and the load bound still
-    /// spreads what the home cannot carry. Measured: level with SGLang in `sessions` with 8
-    /// workers, but −0.022 in tight-256 with 8 (docs/ROUTING.md, "Homes for groups").
+    /// (its footprint, at least the prefill queued there, plus this request's new blocks
+    /// within its capacity) and the wait there costs less than the preamble's weighted
+    /// recompute (default false). There the group's requests find its preamble at home, and
+    /// the load bound still spreads what the home cannot carry (docs/ROUTING.md, "Homes for
+    /// groups").
     pub home_fit_lifts_share_limit: bool,
     /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
@@ -324,6 +328,8 @@ pub struct Choice {
     pub best_matched: usize,
     /// The request's keyed blocks.
     pub request_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
 }
 
 impl Choice {
@@ -390,16 +396,64 @@ pub fn goes_home(
     }
     // Past the bound, a home whose cache still holds what it took recently, this request's
     // new blocks included, may carry up to `home_fit_load_factor` times the bound.
-    home_holds_its_footprint(choice, h)
+    home_holds_its_footprint(choice, h, config)
         && carries <= (bound * config.home_fit_load_factor.max(1.0)).floor()
 }
 
 /// Whether a home's cache still holds what it took recently: its footprint plus the
-/// request's new blocks there within its KV capacity (unknown capacity: no).
-pub fn home_holds_its_footprint(choice: &Choice, home: &Candidate) -> bool {
+/// request's new blocks there within its KV capacity (unknown capacity: no). The footprint
+/// counts at least the blocks of the prefill queued there (its queue clock at its speed):
+/// the state writer adds a decision to the footprint a tick later, so in a burst (at
+/// start-up, every footprint is 0) the recorded one lags what the worker is about to write.
+pub fn home_holds_its_footprint(choice: &Choice, home: &Candidate, config: &ScoringConfig) -> bool {
     let new_blocks = choice.request_blocks.saturating_sub(home.matched_blocks) as f64;
-    known(home.capacity_blocks)
-        .is_some_and(|capacity| home.footprint.max(0.0) + new_blocks <= capacity)
+    let speed = known(home.prefill_tps)
+        .filter(|s| *s > 0.0)
+        .unwrap_or(config.prefill_tokens_per_sec);
+    let queued_blocks = home.queued_s.max(0.0) * speed / choice.block_size.max(1) as f64;
+    let footprint = home.footprint.max(queued_blocks).max(0.0);
+    known(home.capacity_blocks).is_some_and(|capacity| footprint + new_blocks <= capacity)
+}
+
+/// Whether a home's extra wait (over the chosen worker's) costs no more than the preamble's
+/// prefill that going home saves, weighed as the cost weighs a recompute (once for the request,
+/// `recompute_weight` per request in flight for those behind it). What a group past its share
+/// limit is held for: a long preamble is worth a short wait, a preamble of two blocks in front
+/// of a new image is not, and a hot group is not piled onto one worker's queue for it.
+pub fn home_wait_pays_for_preamble(
+    choice: &Choice,
+    candidates: &[Candidate],
+    home: usize,
+    preamble_blocks: usize,
+    config: &ScoringConfig,
+) -> bool {
+    let (Some(at_home), Some(chosen)) = (
+        choice.estimates.get(home),
+        choice.estimates.get(choice.index),
+    ) else {
+        return false;
+    };
+    let speed = candidates
+        .get(choice.index)
+        .and_then(|c| known(c.prefill_tps))
+        .filter(|s| *s > 0.0)
+        .unwrap_or(config.prefill_tokens_per_sec);
+    let preamble_s = (preamble_blocks * choice.block_size) as f64 / speed;
+    at_home.wait_s - chosen.wait_s <= preamble_s * (1.0 + recompute_weight(candidates, config))
+}
+
+/// The weight of a recompute in the cost: `recompute_weight`, times one plus the requests in
+/// flight per candidate with `recompute_grows_with_load`.
+fn recompute_weight(candidates: &[Candidate], config: &ScoringConfig) -> f64 {
+    if !config.recompute_grows_with_load || candidates.is_empty() {
+        return config.recompute_weight;
+    }
+    let mean_inflight = candidates
+        .iter()
+        .map(|c| f64::from(c.inflight))
+        .sum::<f64>()
+        / candidates.len() as f64;
+    config.recompute_weight * (1.0 + mean_inflight)
 }
 
 fn known(v: Option<f64>) -> Option<f64> {
@@ -423,16 +477,7 @@ pub fn choose(
         .unwrap_or(0);
     let mean_footprint =
         candidates.iter().map(|c| c.footprint.max(0.0)).sum::<f64>() / candidates.len() as f64;
-    let mean_inflight = candidates
-        .iter()
-        .map(|c| f64::from(c.inflight))
-        .sum::<f64>()
-        / candidates.len() as f64;
-    let recompute_weight = if config.recompute_grows_with_load {
-        config.recompute_weight * (1.0 + mean_inflight)
-    } else {
-        config.recompute_weight
-    };
+    let recompute_weight = recompute_weight(candidates, config);
     let estimates: Vec<Estimate> = candidates
         .iter()
         .map(|c| {
@@ -466,6 +511,7 @@ pub fn choose(
         estimates,
         best_matched,
         request_blocks: request.total_blocks,
+        block_size: request.block_size,
     })
 }
 

@@ -1,7 +1,9 @@
 //! Behaviour of the decision rule: wait against recompute, in time (src/scoring.rs).
 
 use mmrouter::config::RouterConfig;
-use mmrouter::scoring::{Candidate, RequestSize, ScoringConfig, choose, goes_home};
+use mmrouter::scoring::{
+    Candidate, RequestSize, ScoringConfig, choose, goes_home, home_wait_pays_for_preamble,
+};
 
 const SPEED: f64 = 8000.0;
 
@@ -176,6 +178,17 @@ fn a_home_whose_cache_holds_what_it_took_recently_carries_up_to_twice_its_bound(
         !held(&full, &floored),
         "4070 + 30 blocks do not fit in 4096"
     );
+    // The footprint counts at least the prefill queued at the home, which the state writer
+    // has not recorded yet in a burst: 0.2 s at 8000 tokens/s is 100 blocks, and with the 30
+    // new ones they fill a cache of 120 though the recorded footprint is still 0.
+    assert!(
+        !held(&fleet(4, home(2, 0.0, Some(120.0))), &floored),
+        "100 queued + 30 new blocks do not fit in 120"
+    );
+    assert!(
+        held(&fleet(4, home(2, 0.0, Some(130.0))), &floored),
+        "100 queued + 30 new blocks fit in 130"
+    );
     let unknown = fleet(4, home(2, 0.0, None));
     assert!(!held(&unknown, &floored), "an unknown capacity is not room");
     let off = ScoringConfig {
@@ -195,6 +208,36 @@ fn a_home_whose_cache_holds_what_it_took_recently_carries_up_to_twice_its_bound(
         };
         assert!(config.validate().is_err(), "{bad}");
     }
+}
+
+#[test]
+fn a_group_past_its_share_goes_home_only_while_the_wait_there_costs_less_than_its_preamble() {
+    // The cost chose idle worker 0; the home (1) holds the preamble and has a queue. A
+    // preamble of 30 blocks is 480 tokens, 0.06 s at 8000 tokens/s; with nothing in flight
+    // the recompute weighs once more for those behind it: going home saves 0.12 s.
+    let pays = |preamble: usize, home_wait: f64, inflight: u32| {
+        let ws = vec![
+            Candidate {
+                inflight,
+                ..worker(0, 0.0)
+            },
+            Candidate {
+                inflight,
+                ..worker(preamble, home_wait)
+            },
+        ];
+        let mut c = choose(request(40), &ws, &config(), 0).expect("a choice");
+        c.prefer(0);
+        home_wait_pays_for_preamble(&c, &ws, 1, preamble, &config())
+    };
+    assert!(pays(30, 0.10, 0));
+    assert!(!pays(30, 0.15, 0));
+    // Two in flight per worker: the recompute weighs 3 times more, 0.24 s in all.
+    assert!(pays(30, 0.20, 2));
+    assert!(!pays(30, 0.30, 2));
+    // Two blocks of preamble in front of a new image (8 ms, twice) are not worth 0.1 s.
+    assert!(!pays(2, 0.10, 0));
+    assert!(pays(2, 0.005, 0));
 }
 
 #[test]

@@ -3,7 +3,9 @@
 //! preamble (docs/ROUTING.md, "Homes for groups").
 
 use super::Router;
-use crate::scoring::{Candidate, Choice, goes_home, home_holds_its_footprint};
+use crate::scoring::{
+    Candidate, Choice, goes_home, home_holds_its_footprint, home_wait_pays_for_preamble,
+};
 use crate::state::homes::{Eligible, Homes, Rebalance};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
@@ -76,12 +78,14 @@ impl Router {
         // `home_share_min_requests` per worker: at start-up the first group seen is all of
         // the traffic, and was let go at its second request. With
         // `home_fit_lifts_share_limit` (off by default) there is no share limit while the
-        // home's cache holds its footprint (docs/ROUTING.md). Checked last: it decays every
-        // group's rate, and most requests stop at `goes_home`.
+        // home's cache holds its footprint and its wait costs less than the preamble's
+        // weighted recompute (docs/ROUTING.md). Checked last: it decays every group's rate,
+        // and most requests stop at `goes_home`.
         let lifted = scoring.home_fit_lifts_share_limit
             && candidates
                 .get(index)
-                .is_some_and(|h| home_holds_its_footprint(choice, h));
+                .is_some_and(|h| home_holds_its_footprint(choice, h, scoring))
+            && home_wait_pays_for_preamble(choice, candidates, index, preamble, scoring);
         if !lifted && table.share(group, now_ms, half_life, seen) * n > scoring.home_max_shares {
             return false;
         }

@@ -438,9 +438,10 @@ fn a_group_whose_home_carries_far_more_than_the_mean_moves_to_the_idler_worker()
     assert_eq!((slot, home), (a, Some(a)), "held to its busy home");
 }
 
-/// One system prompt on all traffic, 2 workers, 16 requests each finished before the next,
-/// each with a new image: (worker, went home) of each.
-fn one_application(capacity_blocks: Option<u32>, lift: bool) -> Vec<(usize, bool)> {
+/// One system prompt on all traffic, 2 workers, 16 requests each finished before the next
+/// (its prefill not seen to end: the queue clock keeps its estimate), each with a new image,
+/// `gap_ms` apart: (worker, went home) of each.
+fn one_application(capacity_blocks: Option<u32>, lift: bool, gap_ms: u64) -> Vec<(usize, bool)> {
     let store = MemoryStore::default();
     let mut config = home_hold(2, 1.0);
     config.router.scoring.home_fit_lifts_share_limit = lift;
@@ -451,7 +452,7 @@ fn one_application(capacity_blocks: Option<u32>, lift: bool) -> Vec<(usize, bool
     let system = "You are assistant one. ".repeat(20);
     (0..16u32)
         .map(|i| {
-            let t = 200 + u64::from(i) * 10;
+            let t = 200 + u64::from(i) * gap_ms;
             let b = with_system(&system, &png(900 + i, 500), "Describe this image.");
             let d = route(&mut r, &store, &b, t, u64::from(i));
             apply(&store, &r, t + 1);
@@ -477,9 +478,9 @@ fn an_application_whose_prompt_is_on_every_request_is_not_held_to_a_worker_whose
         let b = with_system(&"x".repeat(10), &png(900, 500), "Describe this image.");
         route(&mut r, &store, &b, 0, 0).total_blocks as u32
     };
-    // With the lift on the small cache, and by default (no lift) on the roomy one.
+    // With the lift on the small cache, and without it on the roomy one.
     for (capacity, lift) in [(Some(3 * blocks), true), (None, false)] {
-        let spread = one_application(capacity, lift);
+        let spread = one_application(capacity, lift, 1000);
         for (i, &(_, home)) in spread.iter().enumerate().skip(7) {
             assert!(!home, "request {i} held home: {spread:?}");
         }
@@ -495,16 +496,26 @@ fn an_application_whose_prompt_is_on_every_request_is_not_held_to_a_worker_whose
 fn with_the_lift_an_application_whose_prompt_is_on_every_request_stays_home_while_its_cache_holds_it()
  {
     // The same traffic with the default cache (room for all of it) and
-    // `home_fit_lifts_share_limit`: the share limit does not apply, and every request goes to
-    // the worker that holds the system prompt; the hold brings back the ones the cost would
-    // send to the idle worker for balance. (Without the lift, the test above.)
-    let roomy = one_application(None, true);
+    // `home_fit_lifts_share_limit`: the share limit does not apply, and every
+    // request goes to the worker that holds the system prompt; the hold brings back the ones
+    // the cost would send to the idle worker for balance. (Without the lift, the test above.)
+    let roomy = one_application(None, true, 1000);
     let home = roomy.first().map(|&(s, _)| s);
     assert!(
         roomy.iter().all(|&(s, _)| Some(s) == home),
         "all on the home: {roomy:?}"
     );
     assert!(roomy.iter().any(|&(_, h)| h), "some held: {roomy:?}");
+    // 10 ms apart, each request's estimated prefill (about 0.1 s) is still on the home's
+    // queue clock when the next comes: past the group's share, a wait longer than the
+    // weighted prefill of its preamble (a few blocks) is not worth it, and the cost spreads the
+    // new images over both workers.
+    let queued = one_application(None, true, 10);
+    let home = queued.first().map(|&(s, _)| s);
+    assert!(
+        queued.iter().skip(8).any(|&(s, _)| Some(s) != home),
+        "spread over both: {queued:?}"
+    );
 }
 
 #[test]
