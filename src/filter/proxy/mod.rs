@@ -536,18 +536,7 @@ impl HttpContext for FilterStream {
         }
         if s.router.config.response_headers {
             let overlap = format!("{}/{}", decision.matched_blocks, decision.total_blocks);
-            let e = decision.estimate;
-            let explained = format!(
-                "wait_ms={:.1}; prefill_ms={:.1}; recompute_ms={:.1}; mode={}",
-                e.wait_s * 1e3,
-                e.prefill_s * 1e3,
-                e.recompute_s * 1e3,
-                if decision.precise {
-                    "precise"
-                } else {
-                    "approximate"
-                }
-            );
+            let explained = decision.header_value();
             for (name, value) in [
                 ("x-mmrouter-worker", decision.target.name.as_str()),
                 ("x-mmrouter-overlap", overlap.as_str()),

@@ -100,6 +100,27 @@ impl Decision {
         out
     }
 
+    /// The `x-mmrouter-decision` response header: the chosen worker's estimated wait,
+    /// prefill and recompute, and the state mode.
+    pub fn header_value(&self) -> String {
+        let e = self.estimate;
+        format!(
+            "wait_ms={:.1}; prefill_ms={:.1}; recompute_ms={:.1}; mode={}",
+            e.wait_s * 1e3,
+            e.prefill_s * 1e3,
+            e.recompute_s * 1e3,
+            self.mode()
+        )
+    }
+
+    fn mode(&self) -> &'static str {
+        if self.precise {
+            "precise"
+        } else {
+            "approximate"
+        }
+    }
+
     /// The `[ROUTING]` log line: what was chosen and what it was weighed against. Only numbers,
     /// validated worker names and fixed words: nothing from the request reaches the log.
     pub fn log_line(&self) -> String {
@@ -119,11 +140,7 @@ impl Decision {
                     e.wait_s * 1e3,
                     e.prefill_s * 1e3,
                     e.recompute_s * 1e3,
-                    if self.precise {
-                        "precise"
-                    } else {
-                        "approximate"
-                    },
+                    self.mode(),
                 );
                 if self.home {
                     line.push_str("; its group's home");

@@ -151,8 +151,14 @@ fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute(
         line.starts_with(&format!("[ROUTING] Best: {} with 0/", moved.target.name))
             && line.contains(&format!(
                 "; passed over {name} with {matched}/{matched} blocks: wait "
-            )),
+            ))
+            && line.contains(" ms (approximate); "),
         "{line}"
+    );
+    let header = moved.header_value();
+    assert!(
+        header.starts_with("wait_ms=") && header.ends_with("; mode=approximate"),
+        "{header}"
     );
     assert!(
         alt.wait_s > moved.estimate.recompute_s,
