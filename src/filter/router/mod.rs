@@ -150,8 +150,11 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
-        let held_now = prefix.depths.clone();
+        // What each worker holds before the admission cut, for the decision log (precise
+        // mode only: one small copy, a length per worker).
+        let mut held_now = None;
         if live.precise && self.config.router.scoring.admission_match {
+            held_now = Some(prefix.depths.clone());
             self.cut_to_admission(&live, loads, &eligible, &mut prefix, now_us);
         }
         let now_ms = now_us / 1000;
@@ -254,7 +257,8 @@ impl Router {
             let t = self.target(s)?;
             Some((t.name, prefix.depth(s), *choice.estimates.get(i)?))
         });
-        let cut_at_admission = longest_cut(&eligible, &held_now, &prefix.depths)
+        let cut_at_admission = held_now
+            .and_then(|held| longest_cut(&eligible, &held, &prefix.depths))
             .and_then(|(s, held, kept)| Some((self.target(s)?.name, held, kept)));
         let alternates = choice
             .ranking
