@@ -407,9 +407,7 @@ pub fn goes_home(
 /// start-up, every footprint is 0) the recorded one lags what the worker is about to write.
 pub fn home_holds_its_footprint(choice: &Choice, home: &Candidate, config: &ScoringConfig) -> bool {
     let new_blocks = choice.request_blocks.saturating_sub(home.matched_blocks) as f64;
-    let speed = known(home.prefill_tps)
-        .filter(|s| *s > 0.0)
-        .unwrap_or(config.prefill_tokens_per_sec);
+    let speed = speed(home, config);
     let queued_blocks = home.queued_s.max(0.0) * speed / choice.block_size.max(1) as f64;
     let footprint = home.footprint.max(queued_blocks).max(0.0);
     known(home.capacity_blocks).is_some_and(|capacity| footprint + new_blocks <= capacity)
@@ -435,10 +433,8 @@ pub fn home_wait_pays_for_preamble(
     };
     let speed = candidates
         .get(choice.index)
-        .and_then(|c| known(c.prefill_tps))
-        .filter(|s| *s > 0.0)
-        .unwrap_or(config.prefill_tokens_per_sec);
-    let preamble_s = (preamble_blocks * choice.block_size) as f64 / speed;
+        .map_or(config.prefill_tokens_per_sec, |c| speed(c, config));
+    let preamble_s = preamble_blocks as f64 * choice.block_size as f64 / speed;
     at_home.wait_s - chosen.wait_s <= preamble_s * (1.0 + recompute_weight(candidates, config))
 }
 
@@ -454,6 +450,13 @@ fn recompute_weight(candidates: &[Candidate], config: &ScoringConfig) -> f64 {
         .sum::<f64>()
         / candidates.len() as f64;
     config.recompute_weight * (1.0 + mean_inflight)
+}
+
+/// A candidate's prefill speed (tokens/s): observed, or `prefill_tokens_per_sec`.
+fn speed(c: &Candidate, config: &ScoringConfig) -> f64 {
+    known(c.prefill_tps)
+        .filter(|s| *s > 0.0)
+        .unwrap_or(config.prefill_tokens_per_sec)
 }
 
 fn known(v: Option<f64>) -> Option<f64> {
@@ -523,9 +526,7 @@ fn estimate(
     mean_footprint: f64,
     recompute_weight: f64,
 ) -> Estimate {
-    let speed = known(c.prefill_tps)
-        .filter(|s| *s > 0.0)
-        .unwrap_or(config.prefill_tokens_per_sec);
+    let speed = speed(c, config);
     let block = request.block_size.max(1) as f64;
     let matched = c.matched_blocks.min(request.total_blocks);
     let prompt = request

@@ -150,11 +150,11 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
-        // What each worker holds before the admission cut, for the decision log (precise
-        // mode only: one small copy, a length per worker).
-        let mut held_now = None;
+        // The worker holding the longest prefix before the admission cut, for the decision
+        // log.
+        let mut longest_held = None;
         if live.precise && self.config.router.scoring.admission_match {
-            held_now = Some(prefix.depths.clone());
+            longest_held = longest(&eligible, &prefix.depths);
             self.cut_to_admission(&live, loads, &eligible, &mut prefix, now_us);
         }
         let now_ms = now_us / 1000;
@@ -257,9 +257,9 @@ impl Router {
             let t = self.target(s)?;
             Some((t.name, prefix.depth(s), *choice.estimates.get(i)?))
         });
-        let cut_at_admission = held_now
-            .and_then(|held| longest_cut(&eligible, &held, &prefix.depths))
-            .and_then(|(s, held, kept)| Some((self.target(s)?.name, held, kept)));
+        let cut_at_admission = longest_held
+            .filter(|&(s, held)| prefix.depth(s) < held)
+            .and_then(|(s, held)| Some((self.target(s)?.name, held, prefix.depth(s))));
         let alternates = choice
             .ranking
             .iter()
@@ -388,22 +388,15 @@ fn mean_known_speed(live: &LiveTable, eligible: &[usize]) -> Option<f64> {
     (n > 0).then(|| sum / f64::from(n))
 }
 
-/// The eligible slot holding the longest prefix (`held`, the first of equals), when the
-/// admission cut shortened it (`kept`): the slot, its blocks held and kept.
-fn longest_cut(
-    eligible: &[usize],
-    held: &[usize],
-    kept: &[usize],
-) -> Option<(usize, usize, usize)> {
-    let (slot, most) = eligible
+/// The eligible slot holding the longest prefix (the first of equals), and its length.
+fn longest(eligible: &[usize], depths: &[usize]) -> Option<(usize, usize)> {
+    eligible
         .iter()
-        .filter_map(|&s| Some((s, *held.get(s)?)))
-        .fold(None, |best: Option<(usize, usize)>, (s, h)| match best {
-            Some((_, b)) if b >= h => best,
-            _ => Some((s, h)),
-        })?;
-    let left = kept.get(slot).copied().unwrap_or(0);
-    (left < most).then_some((slot, most, left))
+        .filter_map(|&s| Some((s, *depths.get(s)?)))
+        .fold(None, |best, (s, d)| match best {
+            Some((_, b)) if b >= d => best,
+            _ => Some((s, d)),
+        })
 }
 
 /// What the scorer needs of one worker.
