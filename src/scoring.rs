@@ -193,6 +193,13 @@ pub struct ScoringConfig {
     /// the load bound still spreads what the home cannot carry (docs/ROUTING.md, "Homes for
     /// groups").
     pub home_fit_lifts_share_limit: bool,
+    /// While the home's cache holds what it took recently (its footprint, at least the
+    /// prefill queued there, plus this request's new blocks within its capacity), a group
+    /// past `home_max_shares` is still held while it has at most this fraction of the
+    /// traffic the homes table has seen (default 0.5; 0 = the share limit alone). With 8
+    /// workers, half the traffic is 4 shares; with 2, one. Below 1, one application's
+    /// system prompt on every request (all of the traffic) still spreads.
+    pub home_fit_max_traffic: f64,
     /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
     /// seen that many, the first groups would look like all of the traffic and not be held.
@@ -221,6 +228,7 @@ impl Default for ScoringConfig {
             home_fit_load_factor: 2.0,
             home_max_shares: 1.5,
             home_fit_lifts_share_limit: false,
+            home_fit_max_traffic: 0.5,
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
         }
@@ -256,6 +264,12 @@ impl ScoringConfig {
             return Err(ConfigError::new(
                 "scoring.home_fit_load_factor",
                 "must be a finite number >= 1 (1 = off)",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.home_fit_max_traffic) {
+            return Err(ConfigError::new(
+                "scoring.home_fit_max_traffic",
+                "must be a fraction of the traffic, 0 to 1",
             ));
         }
         if self.home_rebalance_above > 0.0 && self.home_rebalance_above < 1.0 {

@@ -61,6 +61,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
     assert!(!c.home_fit_lifts_share_limit);
+    assert_eq!(c.home_fit_max_traffic, 0.5);
     assert_eq!(c.home_share_min_requests, 4.0);
     assert!(c.validate().is_ok());
 }
@@ -267,6 +268,10 @@ fn validation_names_bad_values() {
         (
             r#"{"scoring":{"home_max_shares":-1}}"#,
             "scoring.home_max_shares",
+        ),
+        (
+            r#"{"scoring":{"home_fit_max_traffic":1.5}}"#,
+            "scoring.home_fit_max_traffic",
         ),
         (r#"{"scoring":{"inflight_weight":4}}"#, "inflight_weight"),
     ] {

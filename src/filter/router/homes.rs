@@ -76,18 +76,32 @@ impl Router {
         // about one share each (as many groups as workers) are not let go whenever their
         // recent rates wobble above it. A share counts over at least
         // `home_share_min_requests` per worker: at start-up the first group seen is all of
-        // the traffic, and was let go at its second request. With
+        // the traffic, and was let go at its second request. Past the limit, a group is
+        // still held while its home's cache holds its footprint and it has at most
+        // `home_fit_max_traffic` (0.5) of the traffic: with 6 system prompts on 8 workers a
+        // popular one passes 1.5 shares, and each first turn the cost sent to an idle worker
+        // copied its prompt there, for nothing where caches hold the working set (with 2 or 3
+        // workers half the traffic is within 1.5 shares: no change). With
         // `home_fit_lifts_share_limit` (off by default) there is no share limit while the
         // home's cache holds its footprint and its wait costs less than the preamble's
         // weighted recompute (docs/ROUTING.md). Checked last: it decays every group's rate,
         // and most requests stop at `goes_home`.
+        let fits = candidates
+            .get(index)
+            .is_some_and(|h| home_holds_its_footprint(choice, h, scoring));
         let lifted = scoring.home_fit_lifts_share_limit
-            && candidates
-                .get(index)
-                .is_some_and(|h| home_holds_its_footprint(choice, h, scoring))
+            && fits
             && home_wait_pays_for_preamble(choice, candidates, index, preamble, scoring);
         if !lifted && table.share(group, now_ms, half_life, seen) * n > scoring.home_max_shares {
-            return false;
+            // Past the limit, a group whose home's cache holds its footprint is still held
+            // with up to `home_fit_max_traffic` of what the table has seen (not counted over
+            // `home_share_min_requests`: at start-up the first group seen is all of the
+            // traffic, and every user's first request would go to its home at once).
+            let within =
+                fits && table.share(group, now_ms, half_life, 0.0) <= scoring.home_fit_max_traffic;
+            if !within {
+                return false;
+            }
         }
         choice.prefer(index);
         true

@@ -524,6 +524,63 @@ fn with_the_lift_an_application_whose_prompt_is_on_every_request_stays_home_whil
     );
 }
 
+/// 4 workers, 30 requests 1 s apart, each finished before the next and each with a new
+/// image: of every 5, the first `hot` are of one application (system prompt A) and the
+/// rest of three others in turn. (group is A, worker, went home) of each request.
+fn hot_group(hot: u32, fit_max_traffic: f64) -> Vec<(bool, usize, bool)> {
+    let store = MemoryStore::default();
+    let mut config = home_hold(4, 1.0);
+    config.router.scoring.home_fit_max_traffic = fit_max_traffic;
+    let mut r = start(&store, config);
+    let systems: Vec<String> = ["A", "B", "C", "D"]
+        .iter()
+        .map(|n| format!("You are assistant {n}. ").repeat(6))
+        .collect();
+    let mut others = 0;
+    (0..30u32)
+        .map(|i| {
+            let hot_one = i % 5 < hot;
+            let g = if hot_one {
+                0
+            } else {
+                others += 1;
+                1 + others % 3
+            };
+            let t = 200 + u64::from(i) * 1000;
+            let b = with_system(&systems[g], &png(700 + i, 1000), "Describe this image.");
+            let d = route(&mut r, &store, &b, t, u64::from(i));
+            apply(&store, &r, t + 1);
+            assert!(r.finished(&store, &d, (t + 5) * 1000, true));
+            (hot_one, d.target.slot, d.home)
+        })
+        .collect()
+}
+
+#[test]
+fn a_group_with_less_than_half_the_traffic_stays_home_while_its_cache_holds_it() {
+    // A has 2 requests in 5: 1.6 workers' shares of 4, past the share limit (1.5). Without
+    // `home_fit_max_traffic` the cost spreads its new images over the workers with less
+    // footprint, each taking a copy of its system prompt; with 0.5 it is held (its home's
+    // cache, the default, holds what it took).
+    let a_workers = |went: &[(bool, usize, bool)]| {
+        went.iter()
+            .filter(|w| w.0)
+            .map(|w| w.1)
+            .collect::<std::collections::HashSet<usize>>()
+    };
+    let held = hot_group(2, 0.5);
+    assert_eq!(a_workers(&held).len(), 1, "A on its home: {held:?}");
+    assert!(
+        held.iter().any(|w| w.0 && w.2),
+        "held against the cost: {held:?}"
+    );
+    let spread = hot_group(2, 0.0);
+    assert!(a_workers(&spread).len() > 1, "A spread: {spread:?}");
+    // An application on every request (4 shares, all of the traffic) is not held by it.
+    let all = hot_group(5, 0.5);
+    assert!(a_workers(&all).len() > 1, "spread: {all:?}");
+}
+
 #[test]
 fn the_destination_lists_the_next_best_workers_for_retries() {
     let store = MemoryStore::default();
