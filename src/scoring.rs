@@ -92,9 +92,12 @@
 //!   system prompt on every request is no group to keep on one worker whose cache turns
 //!   over (the filter checks this, from the homes table, over at least
 //!   `home_share_min_requests` per worker, so that the first groups seen at start-up do not
-//!   look like all of the traffic). With `home_fit_lifts_share_limit` (off by default) the
-//!   limit does not apply while the home's cache holds its footprint (as below) and its
-//!   extra wait costs less than the preamble's weighted recompute
+//!   look like all of the traffic). Past it, a group with at most `home_fit_max_traffic`
+//!   (0.5) of the traffic the table has seen is still held while the home's cache holds its
+//!   footprint (as below): there a copy of its preamble elsewhere buys nothing. With
+//!   `home_fit_lifts_share_limit` (off by default) the limit does not apply while the
+//!   home's cache holds its footprint and its extra wait costs less than the preamble's
+//!   weighted recompute
 //!   ([`home_wait_pays_for_preamble`]); and
 //! - the home is not overloaded: its requests in flight, this one included, are at most
 //!   `ceil((1 + home_load_slack) × mean)` over the candidates (the bound of consistent hashing
