@@ -186,8 +186,9 @@ pub struct ScoringConfig {
     /// would evict the home's other conversations.
     pub home_fit_load_factor: f64,
     /// A group is held to its home while it has at most this many workers' shares of the
-    /// recent traffic (default 1.5): one application's system prompt on every request is no
-    /// group to keep on one worker whose cache cannot hold it.
+    /// recent traffic (default 1.5), or past it as `home_fit_max_traffic` allows: one
+    /// application's system prompt on every request is no group to keep on one worker whose
+    /// cache cannot hold it.
     pub home_max_shares: f64,
     /// The share limit does not apply while the home's cache holds what it took recently
     /// (its footprint, at least the prefill queued there, plus this request's new blocks
