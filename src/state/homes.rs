@@ -108,6 +108,13 @@ impl Homes {
     /// counted as if the rest had come from other groups, so the first groups seen do not
     /// look like all of the traffic.
     pub fn share(&self, group: u64, now_ms: u64, half_life_ms: u64, min_total: f64) -> f64 {
+        let (own, total) = self.rates(group, now_ms, half_life_ms);
+        share_of(own, total.max(min_total))
+    }
+
+    /// `group`'s decayed request rate now and every group's (one pass over the table), for
+    /// callers that need its share counted two ways.
+    pub fn rates(&self, group: u64, now_ms: u64, half_life_ms: u64) -> (f64, f64) {
         let (mut own, mut total) = (0.0, 0.0);
         for h in &self.entries {
             let rate = h.rate_at(now_ms, half_life_ms);
@@ -116,8 +123,7 @@ impl Homes {
                 own += rate;
             }
         }
-        let total = total.max(min_total);
-        if total > 0.0 { own / total } else { 0.0 }
+        (own, total)
     }
 
     /// The request rate of the groups homed on `slot` now.
@@ -264,6 +270,11 @@ impl Homes {
         }
         Some(least.slot)
     }
+}
+
+/// `own` over `total`, 0 when there is no traffic.
+pub fn share_of(own: f64, total: f64) -> f64 {
+    if total > 0.0 { own / total } else { 0.0 }
 }
 
 /// When [`Homes::rebalance`] moves a group's home.

@@ -6,7 +6,7 @@ use super::Router;
 use crate::scoring::{
     Candidate, Choice, goes_home, home_holds_its_footprint, home_wait_pays_for_preamble,
 };
-use crate::state::homes::{Eligible, Homes, Rebalance};
+use crate::state::homes::{Eligible, Homes, Rebalance, share_of};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
 
@@ -78,28 +78,25 @@ impl Router {
         // `home_share_min_requests` per worker: at start-up the first group seen is all of
         // the traffic, and was let go at its second request. Past the limit, a group is
         // still held while its home's cache holds its footprint and it has at most
-        // `home_fit_max_traffic` (0.5) of the traffic: with 6 system prompts on 8 workers a
-        // popular one passes 1.5 shares, and each first turn the cost sent to an idle worker
-        // copied its prompt there, for nothing where caches hold the working set (with 2 or 3
-        // workers half the traffic is within 1.5 shares: no change). With
-        // `home_fit_lifts_share_limit` (off by default) there is no share limit while the
-        // home's cache holds its footprint and its wait costs less than the preamble's
-        // weighted recompute (docs/ROUTING.md). Checked last: it decays every group's rate,
-        // and most requests stop at `goes_home`.
-        let fits = candidates
-            .get(index)
-            .is_some_and(|h| home_holds_its_footprint(choice, h, scoring));
-        let lifted = scoring.home_fit_lifts_share_limit
-            && fits
-            && home_wait_pays_for_preamble(choice, candidates, index, preamble, scoring);
-        if !lifted && table.share(group, now_ms, half_life, seen) * n > scoring.home_max_shares {
-            // Past the limit, a group whose home's cache holds its footprint is still held
-            // with up to `home_fit_max_traffic` of what the table has seen (not counted over
-            // `home_share_min_requests`: at start-up the first group seen is all of the
-            // traffic, and every user's first request would go to its home at once).
-            let within =
-                fits && table.share(group, now_ms, half_life, 0.0) <= scoring.home_fit_max_traffic;
-            if !within {
+        // `home_fit_max_traffic` (0.5) of the traffic the table has seen (not counted over
+        // that minimum, or every user's first request of one application would go to its
+        // home at once): with 6 system prompts on 8 workers a popular one passes 1.5 shares,
+        // and each first turn the cost sent to an idle worker copied its prompt there, for
+        // nothing where caches hold the working set (with 2 or 3 workers half the traffic is
+        // within 1.5 shares: no change). With `home_fit_lifts_share_limit` (off by default)
+        // there is no share limit while the home's cache holds its footprint and its wait
+        // costs less than the preamble's weighted recompute (docs/ROUTING.md). Checked last:
+        // it decays every group's rate, and most requests stop at `goes_home`.
+        let (own, total) = table.rates(group, now_ms, half_life);
+        if share_of(own, total.max(seen)) * n > scoring.home_max_shares {
+            let fits = candidates
+                .get(index)
+                .is_some_and(|h| home_holds_its_footprint(choice, h, scoring));
+            let within = fits && share_of(own, total) <= scoring.home_fit_max_traffic;
+            let lifted = scoring.home_fit_lifts_share_limit
+                && fits
+                && home_wait_pays_for_preamble(choice, candidates, index, preamble, scoring);
+            if !within && !lifted {
                 return false;
             }
         }
