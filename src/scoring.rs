@@ -115,7 +115,9 @@
 //! can share a worker, and with 2 workers the load bound above never binds. With
 //! `home_rebalance_above` set (off by default), a group whose home carries more than that
 //! many times the mean homed traffic moves to the least homed worker, if it is at most half
-//! the difference ([`crate::state::homes::Homes::rebalance`]).
+//! the difference ([`crate::state::homes::Homes::rebalance`]). With `home_fewest_groups` (off
+//! by default) a new group's home is the worker with the fewest groups among those whose
+//! homed traffic is within its noise of the least ([`crate::state::homes::Placement`]).
 //!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
@@ -204,6 +206,13 @@ pub struct ScoringConfig {
     /// workers, half the traffic is 4 shares; with 2, one. Below 1, one application's
     /// system prompt on every request (all of the traffic) still spreads.
     pub home_fit_max_traffic: f64,
+    /// A new group's home is, among the workers whose homed traffic is within its noise of the
+    /// least (two counts of requests within the square root of their sum), the one with the
+    /// fewest groups homed (default false: the
+    /// least homed traffic). At start-up every user's first request arrives at once, and a
+    /// group's first requests count who happened to start with its prompt, not how popular
+    /// it is ([`crate::state::homes::Placement`]).
+    pub home_fewest_groups: bool,
     /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
     /// seen that many, the first groups would look like all of the traffic and not be held.
@@ -233,6 +242,7 @@ impl Default for ScoringConfig {
             home_max_shares: 1.5,
             home_fit_lifts_share_limit: false,
             home_fit_max_traffic: 0.5,
+            home_fewest_groups: false,
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
         }

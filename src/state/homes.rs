@@ -126,6 +126,25 @@ impl Homes {
         (own, total)
     }
 
+    /// The request rate of the groups homed on `slot` now and how many they are (each counted
+    /// up to 1 by its rate, so a group not seen for a few half-lives no longer counts), without
+    /// `own` (a group whose home is being chosen again).
+    fn homed_here(
+        &self,
+        slot: usize,
+        own: Option<Home>,
+        now_ms: u64,
+        half_life_ms: u64,
+    ) -> (f64, f64) {
+        self.entries
+            .iter()
+            .filter(|h| usize::from(h.slot) == slot && own.is_none_or(|o| o.group != h.group))
+            .map(|h| h.rate_at(now_ms, half_life_ms))
+            .fold((0.0, 0.0), |(rate, groups), r| {
+                (rate + r, groups + r.min(1.0))
+            })
+    }
+
     /// The request rate of the groups homed on `slot` now.
     pub fn homed_rate(&self, slot: usize, now_ms: u64, half_life_ms: u64) -> f64 {
         self.entries
@@ -137,8 +156,9 @@ impl Homes {
 
     /// Counts one request of `group` at `now_ms` and returns its home: the recorded one while
     /// that worker is eligible in the same incarnation, else a new one, the eligible worker
-    /// with the least homed rate (`preferred` among equals, then the first). None when nothing
-    /// is eligible. Keeps at most `capacity` groups, forgetting the least recently seen.
+    /// with the least homed rate (`preferred` among equals, then the first; with
+    /// `placement.fewest_groups`, see [`Placement`]). None when nothing is eligible. Keeps at
+    /// most `placement.capacity` groups, forgetting the least recently seen.
     pub fn visit(
         &mut self,
         group: u64,
@@ -146,7 +166,7 @@ impl Homes {
         preferred: usize,
         now_ms: u64,
         half_life_ms: u64,
-        capacity: usize,
+        placement: Placement,
     ) -> Option<usize> {
         let at = self.entries.iter().position(|h| h.group == group);
         let valid = at
@@ -162,21 +182,40 @@ impl Homes {
             None => {
                 // Not counting this group's own old home, if any.
                 let own = at.and_then(|i| self.entries.get(i)).copied();
-                let rate_of = |e: &Eligible| {
-                    let mut r = self.homed_rate(e.slot, now_ms, half_life_ms);
-                    if let Some(o) = own.filter(|o| usize::from(o.slot) == e.slot) {
-                        r -= o.rate_at(now_ms, half_life_ms);
-                    }
-                    r
-                };
-                let least = eligible.iter().map(rate_of).fold(f64::INFINITY, f64::min);
-                // Equal within a tenth of a request: the scoring's choice decides.
-                let near = |e: &&Eligible| rate_of(e) <= least + 0.1;
-                *eligible
+                let homed: Vec<(f64, f64)> = eligible
                     .iter()
-                    .filter(near)
+                    .map(|e| self.homed_here(e.slot, own, now_ms, half_life_ms))
+                    .collect();
+                let least = homed.iter().map(|h| h.0).fold(f64::INFINITY, f64::min);
+                // Equal within a tenth of a request or, with `fewest_groups`, within the noise
+                // of the difference of two counts of requests (the square root of their sum).
+                let near = |h: &(f64, f64)| {
+                    let noise = if placement.fewest_groups {
+                        (h.0 + least).max(0.0).sqrt()
+                    } else {
+                        0.0
+                    };
+                    h.0 - least <= noise.max(0.1)
+                };
+                let fewest = homed
+                    .iter()
+                    .filter(|h| near(h))
+                    .map(|h| h.1)
+                    .fold(f64::INFINITY, f64::min);
+                // Among those, with `fewest_groups`, the fewest groups (within half of one);
+                // then the scoring's choice decides.
+                let equal =
+                    |h: &(f64, f64)| near(h) && (!placement.fewest_groups || h.1 <= fewest + 0.5);
+                let among = || {
+                    eligible
+                        .iter()
+                        .zip(&homed)
+                        .filter(|(_, h)| equal(h))
+                        .map(|(e, _)| e)
+                };
+                *among()
                     .find(|e| e.slot == preferred)
-                    .or_else(|| eligible.iter().find(near))?
+                    .or_else(|| among().next())?
             }
         };
         let slot = u16::try_from(home.slot).ok()?;
@@ -188,7 +227,7 @@ impl Homes {
                 h.incarnation = home.incarnation;
             }
             None => {
-                if self.entries.len() >= capacity.max(1)
+                if self.entries.len() >= placement.capacity.max(1)
                     && let Some(oldest) = self
                         .entries
                         .iter()
@@ -277,6 +316,32 @@ pub fn share_of(own: f64, total: f64) -> f64 {
     if total > 0.0 { own / total } else { 0.0 }
 }
 
+/// How [`Homes::visit`] chooses a home for a group it has none for, and how many groups the
+/// table keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Groups kept, the least recently seen forgotten first.
+    pub capacity: usize,
+    /// Among the workers whose homed rate is within its noise of the least (a difference of
+    /// two counts of requests within the square root of their sum, or a tenth of a request),
+    /// the one with the fewest groups homed, each counted up to 1 by its rate
+    /// (`scoring.home_fewest_groups`). Otherwise the least homed rate
+    /// within a tenth of a request. At start-up every user's first request arrives at once,
+    /// and the groups' first requests count who happened to start with which prompt: by
+    /// them alone, 4 of 6 groups went to one of 2 workers.
+    pub fewest_groups: bool,
+}
+
+impl Placement {
+    /// The least homed rate decides, keeping `capacity` groups.
+    pub fn by_rate(capacity: usize) -> Placement {
+        Placement {
+            capacity,
+            fewest_groups: false,
+        }
+    }
+}
+
 /// When [`Homes::rebalance`] moves a group's home.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rebalance {
@@ -305,17 +370,103 @@ mod tests {
         let mut homes = Homes::default();
         let w = workers(2);
         // The first group: nothing is homed anywhere, the scoring's choice (1) decides.
-        assert_eq!(homes.visit(7, &w, 1, 0, 60_000, 64), Some(1));
+        assert_eq!(
+            homes.visit(7, &w, 1, 0, 60_000, Placement::by_rate(64)),
+            Some(1)
+        );
         for t in 1..10 {
-            assert_eq!(homes.visit(7, &w, 0, t, 60_000, 64), Some(1), "stays");
+            assert_eq!(
+                homes.visit(7, &w, 0, t, 60_000, Placement::by_rate(64)),
+                Some(1),
+                "stays"
+            );
         }
         // A second group goes to the worker without traffic, whatever the scoring prefers.
-        assert_eq!(homes.visit(8, &w, 1, 20, 60_000, 64), Some(0));
+        assert_eq!(
+            homes.visit(8, &w, 1, 20, 60_000, Placement::by_rate(64)),
+            Some(0)
+        );
         // A third: worker 0 has 1 request homed, worker 1 has 10.
-        assert_eq!(homes.visit(9, &w, 1, 30, 60_000, 64), Some(0));
+        assert_eq!(
+            homes.visit(9, &w, 1, 30, 60_000, Placement::by_rate(64)),
+            Some(0)
+        );
         let back = Homes::decode(&homes.encode());
         assert_eq!(back, homes);
         assert!((back.homed_rate(1, 30, 60_000) - 10.0).abs() < 0.01);
+    }
+
+    /// The start-up burst of tight-256, 2 workers, seed 138 (docs/BENCHMARKS.md, fifty-first
+    /// run): 8 users' first requests at once, three of them with group 3's prompt.
+    fn start_up_burst(placement: Placement) -> Homes {
+        let mut homes = Homes::default();
+        let w = workers(2);
+        for (t, (group, preferred)) in [
+            (3, 0),
+            (1, 1),
+            (4, 1),
+            (5, 0),
+            (5, 0),
+            (4, 1),
+            (3, 0),
+            (3, 0),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            homes.visit(group, &w, preferred, t as u64, 60_000, placement);
+        }
+        homes
+    }
+
+    #[test]
+    fn with_fewest_groups_a_start_up_burst_does_not_decide_the_split() {
+        let groups_on =
+            |homes: &Homes, slot: u16| homes.entries.iter().filter(|h| h.slot == slot).count();
+        // By rate: worker 0 has 5 requests homed (groups 3 and 5), worker 1 has 3 (1 and 4),
+        // so the next two groups go to worker 1, whatever the scoring prefers: 2 groups
+        // against 4.
+        let mut by_rate = start_up_burst(Placement::by_rate(64));
+        let w = workers(2);
+        assert_eq!(
+            by_rate.visit(2, &w, 0, 230, 60_000, Placement::by_rate(64)),
+            Some(1)
+        );
+        assert_eq!(
+            by_rate.visit(0, &w, 0, 270, 60_000, Placement::by_rate(64)),
+            Some(1)
+        );
+        assert_eq!((groups_on(&by_rate, 0), groups_on(&by_rate, 1)), (2, 4));
+        // With fewest groups: 5 against 3 requests is within the noise (√8), so the groups
+        // decide, and when they are equal the scoring's choice: 3 groups each.
+        let fewest = Placement {
+            capacity: 64,
+            fewest_groups: true,
+        };
+        let mut by_groups = start_up_burst(fewest);
+        assert_eq!(
+            by_groups.visit(2, &w, 0, 230, 60_000, fewest),
+            Some(0),
+            "scoring's choice"
+        );
+        assert_eq!(
+            by_groups.visit(0, &w, 0, 270, 60_000, fewest),
+            Some(1),
+            "fewer groups"
+        );
+        assert_eq!((groups_on(&by_groups, 0), groups_on(&by_groups, 1)), (3, 3));
+        // A difference beyond the noise still decides: with 30 more requests of group 3 on
+        // worker 0 (35 against 3), a new group goes to worker 1, which has more groups.
+        for t in 0..30 {
+            by_groups.visit(3, &w, 0, 300 + t, 60_000, fewest);
+        }
+        assert_eq!(by_groups.visit(9, &w, 0, 400, 60_000, fewest), Some(1));
+        // A group not seen for many half-lives no longer counts as one.
+        let mut old = Homes::default();
+        old.visit(1, &w, 0, 0, 1_000, fewest);
+        old.visit(2, &w, 0, 0, 1_000, fewest);
+        old.visit(3, &w, 1, 20_000, 1_000, fewest);
+        assert_eq!(old.visit(4, &w, 1, 20_000, 1_000, fewest), Some(0));
     }
 
     #[test]
@@ -327,15 +478,15 @@ mod tests {
             0.0,
             "unknown group, empty table"
         );
-        homes.visit(7, &w, 0, 0, 60_000, 64);
+        homes.visit(7, &w, 0, 0, 60_000, Placement::by_rate(64));
         assert_eq!(homes.share(7, 0, 60_000, 0.0), 1.0, "the only group");
         for t in 0..3 {
-            homes.visit(8, &w, 0, t, 60_000, 64);
+            homes.visit(8, &w, 0, t, 60_000, Placement::by_rate(64));
         }
         assert!((homes.share(7, 3, 60_000, 0.0) - 0.25).abs() < 0.001);
         assert!((homes.share(8, 3, 60_000, 0.0) - 0.75).abs() < 0.001);
         // A minute later, 7's one request counts half as much; so do 8's three.
-        homes.visit(7, &w, 0, 60_003, 60_000, 64);
+        homes.visit(7, &w, 0, 60_003, 60_000, Placement::by_rate(64));
         let share = homes.share(7, 60_003, 60_000, 0.0);
         assert!((share - 1.5 / 3.0).abs() < 0.01, "{share}");
         // Over at least 8 requests: the table has seen 3 (decayed), so 7's 1.5 count as 1.5/8.
@@ -348,9 +499,15 @@ mod tests {
     fn a_home_that_left_or_was_replaced_is_chosen_again() {
         let mut homes = Homes::default();
         let w = workers(3);
-        assert_eq!(homes.visit(7, &w, 2, 0, 60_000, 64), Some(2));
+        assert_eq!(
+            homes.visit(7, &w, 2, 0, 60_000, Placement::by_rate(64)),
+            Some(2)
+        );
         // Worker 2 is no longer eligible: worker 0 or 1, the scoring's choice among equals.
-        assert_eq!(homes.visit(7, &w[..2], 1, 1, 60_000, 64), Some(1));
+        assert_eq!(
+            homes.visit(7, &w[..2], 1, 1, 60_000, Placement::by_rate(64)),
+            Some(1)
+        );
         // Slot 1 now holds another worker (a new incarnation): chosen again.
         let replaced = [
             w[0],
@@ -359,9 +516,15 @@ mod tests {
                 incarnation: 1,
             },
         ];
-        assert_eq!(homes.visit(7, &replaced, 0, 2, 60_000, 64), Some(0));
+        assert_eq!(
+            homes.visit(7, &replaced, 0, 2, 60_000, Placement::by_rate(64)),
+            Some(0)
+        );
         assert_eq!(homes.entries.len(), 1);
-        assert_eq!(homes.visit(7, &[], 0, 3, 60_000, 64), None);
+        assert_eq!(
+            homes.visit(7, &[], 0, 3, 60_000, Placement::by_rate(64)),
+            None
+        );
     }
 
     #[test]
@@ -369,7 +532,7 @@ mod tests {
         let mut homes = Homes::default();
         let w = workers(2);
         for g in 0..10u64 {
-            homes.visit(g, &w, 0, g * 10, 60_000, 4);
+            homes.visit(g, &w, 0, g * 10, 60_000, Placement::by_rate(4));
         }
         let mut groups: Vec<u64> = homes.entries.iter().map(|h| h.group).collect();
         groups.sort();
@@ -453,12 +616,15 @@ mod tests {
         let mut homes = Homes::default();
         let w = workers(2);
         for t in 0..8 {
-            homes.visit(1, &w, 0, t, 1_000, 64);
+            homes.visit(1, &w, 0, t, 1_000, Placement::by_rate(64));
         }
         // Four half-lives later group 1's 8 requests weigh 0.5: a group seen twice since
         // on worker 1 outweighs it.
-        homes.visit(2, &w, 1, 4_000, 1_000, 64);
-        homes.visit(2, &w, 1, 4_000, 1_000, 64);
-        assert_eq!(homes.visit(3, &w, 1, 4_000, 1_000, 64), Some(0));
+        homes.visit(2, &w, 1, 4_000, 1_000, Placement::by_rate(64));
+        homes.visit(2, &w, 1, 4_000, 1_000, Placement::by_rate(64));
+        assert_eq!(
+            homes.visit(3, &w, 1, 4_000, 1_000, Placement::by_rate(64)),
+            Some(0)
+        );
     }
 }

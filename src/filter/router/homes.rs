@@ -6,7 +6,7 @@ use super::Router;
 use crate::scoring::{
     Candidate, Choice, goes_home, home_holds_its_footprint, home_wait_pays_for_preamble,
 };
-use crate::state::homes::{Eligible, Homes, Rebalance, share_of};
+use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
 
@@ -56,7 +56,11 @@ impl Router {
         let (mut home, mut table) = (None, Homes::default());
         cas_update(store, &self.keys.homes(), |bytes| {
             let mut homes = Homes::decode(bytes);
-            home = homes.visit(group, &workers, preferred, now_ms, half_life, HOME_GROUPS);
+            let placement = Placement {
+                capacity: HOME_GROUPS,
+                fewest_groups: scoring.home_fewest_groups,
+            };
+            home = homes.visit(group, &workers, preferred, now_ms, half_life, placement);
             if home.is_some() {
                 home = homes.rebalance(group, &workers, now_ms, half_life, rule);
             }
