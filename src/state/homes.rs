@@ -332,16 +332,6 @@ pub struct Placement {
     pub fewest_groups: bool,
 }
 
-impl Placement {
-    /// The least homed rate decides, keeping `capacity` groups.
-    pub fn by_rate(capacity: usize) -> Placement {
-        Placement {
-            capacity,
-            fewest_groups: false,
-        }
-    }
-}
-
 /// When [`Homes::rebalance`] moves a group's home.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rebalance {
@@ -355,6 +345,12 @@ pub struct Rebalance {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The least homed rate decides; 64 groups kept.
+    const BY_RATE: Placement = Placement {
+        capacity: 64,
+        fewest_groups: false,
+    };
 
     fn workers(n: usize) -> Vec<Eligible> {
         (0..n)
@@ -370,27 +366,14 @@ mod tests {
         let mut homes = Homes::default();
         let w = workers(2);
         // The first group: nothing is homed anywhere, the scoring's choice (1) decides.
-        assert_eq!(
-            homes.visit(7, &w, 1, 0, 60_000, Placement::by_rate(64)),
-            Some(1)
-        );
+        assert_eq!(homes.visit(7, &w, 1, 0, 60_000, BY_RATE), Some(1));
         for t in 1..10 {
-            assert_eq!(
-                homes.visit(7, &w, 0, t, 60_000, Placement::by_rate(64)),
-                Some(1),
-                "stays"
-            );
+            assert_eq!(homes.visit(7, &w, 0, t, 60_000, BY_RATE), Some(1), "stays");
         }
         // A second group goes to the worker without traffic, whatever the scoring prefers.
-        assert_eq!(
-            homes.visit(8, &w, 1, 20, 60_000, Placement::by_rate(64)),
-            Some(0)
-        );
+        assert_eq!(homes.visit(8, &w, 1, 20, 60_000, BY_RATE), Some(0));
         // A third: worker 0 has 1 request homed, worker 1 has 10.
-        assert_eq!(
-            homes.visit(9, &w, 1, 30, 60_000, Placement::by_rate(64)),
-            Some(0)
-        );
+        assert_eq!(homes.visit(9, &w, 1, 30, 60_000, BY_RATE), Some(0));
         let back = Homes::decode(&homes.encode());
         assert_eq!(back, homes);
         assert!((back.homed_rate(1, 30, 60_000) - 10.0).abs() < 0.01);
@@ -426,16 +409,10 @@ mod tests {
         // By rate: worker 0 has 5 requests homed (groups 3 and 5), worker 1 has 3 (1 and 4),
         // so the next two groups go to worker 1, whatever the scoring prefers: 2 groups
         // against 4.
-        let mut by_rate = start_up_burst(Placement::by_rate(64));
+        let mut by_rate = start_up_burst(BY_RATE);
         let w = workers(2);
-        assert_eq!(
-            by_rate.visit(2, &w, 0, 230, 60_000, Placement::by_rate(64)),
-            Some(1)
-        );
-        assert_eq!(
-            by_rate.visit(0, &w, 0, 270, 60_000, Placement::by_rate(64)),
-            Some(1)
-        );
+        assert_eq!(by_rate.visit(2, &w, 0, 230, 60_000, BY_RATE), Some(1));
+        assert_eq!(by_rate.visit(0, &w, 0, 270, 60_000, BY_RATE), Some(1));
         assert_eq!((groups_on(&by_rate, 0), groups_on(&by_rate, 1)), (2, 4));
         // With fewest groups: 5 against 3 requests is within the noise (√8), so the groups
         // decide, and when they are equal the scoring's choice: 3 groups each.
@@ -478,15 +455,15 @@ mod tests {
             0.0,
             "unknown group, empty table"
         );
-        homes.visit(7, &w, 0, 0, 60_000, Placement::by_rate(64));
+        homes.visit(7, &w, 0, 0, 60_000, BY_RATE);
         assert_eq!(homes.share(7, 0, 60_000, 0.0), 1.0, "the only group");
         for t in 0..3 {
-            homes.visit(8, &w, 0, t, 60_000, Placement::by_rate(64));
+            homes.visit(8, &w, 0, t, 60_000, BY_RATE);
         }
         assert!((homes.share(7, 3, 60_000, 0.0) - 0.25).abs() < 0.001);
         assert!((homes.share(8, 3, 60_000, 0.0) - 0.75).abs() < 0.001);
         // A minute later, 7's one request counts half as much; so do 8's three.
-        homes.visit(7, &w, 0, 60_003, 60_000, Placement::by_rate(64));
+        homes.visit(7, &w, 0, 60_003, 60_000, BY_RATE);
         let share = homes.share(7, 60_003, 60_000, 0.0);
         assert!((share - 1.5 / 3.0).abs() < 0.01, "{share}");
         // Over at least 8 requests: the table has seen 3 (decayed), so 7's 1.5 count as 1.5/8.
@@ -499,15 +476,9 @@ mod tests {
     fn a_home_that_left_or_was_replaced_is_chosen_again() {
         let mut homes = Homes::default();
         let w = workers(3);
-        assert_eq!(
-            homes.visit(7, &w, 2, 0, 60_000, Placement::by_rate(64)),
-            Some(2)
-        );
+        assert_eq!(homes.visit(7, &w, 2, 0, 60_000, BY_RATE), Some(2));
         // Worker 2 is no longer eligible: worker 0 or 1, the scoring's choice among equals.
-        assert_eq!(
-            homes.visit(7, &w[..2], 1, 1, 60_000, Placement::by_rate(64)),
-            Some(1)
-        );
+        assert_eq!(homes.visit(7, &w[..2], 1, 1, 60_000, BY_RATE), Some(1));
         // Slot 1 now holds another worker (a new incarnation): chosen again.
         let replaced = [
             w[0],
@@ -516,15 +487,9 @@ mod tests {
                 incarnation: 1,
             },
         ];
-        assert_eq!(
-            homes.visit(7, &replaced, 0, 2, 60_000, Placement::by_rate(64)),
-            Some(0)
-        );
+        assert_eq!(homes.visit(7, &replaced, 0, 2, 60_000, BY_RATE), Some(0));
         assert_eq!(homes.entries.len(), 1);
-        assert_eq!(
-            homes.visit(7, &[], 0, 3, 60_000, Placement::by_rate(64)),
-            None
-        );
+        assert_eq!(homes.visit(7, &[], 0, 3, 60_000, BY_RATE), None);
     }
 
     #[test]
@@ -532,7 +497,17 @@ mod tests {
         let mut homes = Homes::default();
         let w = workers(2);
         for g in 0..10u64 {
-            homes.visit(g, &w, 0, g * 10, 60_000, Placement::by_rate(4));
+            homes.visit(
+                g,
+                &w,
+                0,
+                g * 10,
+                60_000,
+                Placement {
+                    capacity: 4,
+                    ..BY_RATE
+                },
+            );
         }
         let mut groups: Vec<u64> = homes.entries.iter().map(|h| h.group).collect();
         groups.sort();
@@ -616,15 +591,12 @@ mod tests {
         let mut homes = Homes::default();
         let w = workers(2);
         for t in 0..8 {
-            homes.visit(1, &w, 0, t, 1_000, Placement::by_rate(64));
+            homes.visit(1, &w, 0, t, 1_000, BY_RATE);
         }
         // Four half-lives later group 1's 8 requests weigh 0.5: a group seen twice since
         // on worker 1 outweighs it.
-        homes.visit(2, &w, 1, 4_000, 1_000, Placement::by_rate(64));
-        homes.visit(2, &w, 1, 4_000, 1_000, Placement::by_rate(64));
-        assert_eq!(
-            homes.visit(3, &w, 1, 4_000, 1_000, Placement::by_rate(64)),
-            Some(0)
-        );
+        homes.visit(2, &w, 1, 4_000, 1_000, BY_RATE);
+        homes.visit(2, &w, 1, 4_000, 1_000, BY_RATE);
+        assert_eq!(homes.visit(3, &w, 1, 4_000, 1_000, BY_RATE), Some(0));
     }
 }
