@@ -95,7 +95,7 @@
 //!   look like all of the traffic). Past it, a group with at most `home_fit_max_traffic`
 //!   (0.5) of the traffic the table has seen is still held while the home's cache holds its
 //!   footprint (as below): there a copy of its preamble elsewhere buys nothing. With
-//!   `home_fit_lifts_share_limit` (off by default) the limit does not apply while the
+//!   `home_fit_lifts_share_limit` (on by default) the limit does not apply while the
 //!   home's cache holds its footprint and its extra wait costs less than the preamble's
 //!   weighted recompute
 //!   ([`home_wait_pays_for_preamble`]); and
@@ -195,9 +195,9 @@ pub struct ScoringConfig {
     /// The share limit does not apply while the home's cache holds what it took recently
     /// (its footprint, at least the prefill queued there, plus this request's new blocks
     /// within its capacity) and the wait there costs less than the preamble's weighted
-    /// recompute (default false). There the group's requests find its preamble at home, and
-    /// the load bound still spreads what the home cannot carry (docs/ROUTING.md, "Homes for
-    /// groups").
+    /// recompute (default true; false leaves the share limit and `home_fit_max_traffic`).
+    /// There the group's requests find its preamble at home, and the load bound still spreads
+    /// what the home cannot carry (docs/ROUTING.md, "Homes for groups").
     pub home_fit_lifts_share_limit: bool,
     /// While the home's cache holds what it took recently (its footprint, at least the
     /// prefill queued there, plus this request's new blocks within its capacity), a group
@@ -240,7 +240,7 @@ impl Default for ScoringConfig {
             home_load_floor: 2,
             home_fit_load_factor: 2.0,
             home_max_shares: 1.5,
-            home_fit_lifts_share_limit: false,
+            home_fit_lifts_share_limit: true,
             home_fit_max_traffic: 0.5,
             home_fewest_groups: false,
             home_share_min_requests: 4.0,

@@ -60,7 +60,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
-    assert!(!c.home_fit_lifts_share_limit);
+    assert!(c.home_fit_lifts_share_limit);
     assert_eq!(c.home_fit_max_traffic, 0.5);
     assert!(!c.home_fewest_groups);
     assert_eq!(c.home_share_min_requests, 4.0);

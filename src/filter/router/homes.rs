@@ -87,7 +87,7 @@ impl Router {
         // home at once): with 6 system prompts on 8 workers a popular one passes 1.5 shares,
         // and each first turn the cost sent to an idle worker copied its prompt there, for
         // nothing where caches hold the working set (with 2 or 3 workers half the traffic is
-        // within 1.5 shares: no change). With `home_fit_lifts_share_limit` (off by default)
+        // within 1.5 shares: no change). With `home_fit_lifts_share_limit` (on by default)
         // there is no share limit while the home's cache holds its footprint and its wait
         // costs less than the preamble's weighted recompute (docs/ROUTING.md). Checked last:
         // it decays every group's rate, and most requests stop at `goes_home`.

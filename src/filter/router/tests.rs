@@ -531,6 +531,8 @@ fn hot_group(hot: u32, fit_max_traffic: f64) -> Vec<(bool, usize, bool)> {
     let store = MemoryStore::default();
     let mut config = home_hold(4, 1.0);
     config.router.scoring.home_fit_max_traffic = fit_max_traffic;
+    // The rule alone: with the lift, the wait there decides as well.
+    config.router.scoring.home_fit_lifts_share_limit = false;
     let mut r = start(&store, config);
     let systems: Vec<String> = ["A", "B", "C", "D"]
         .iter()
