@@ -145,15 +145,6 @@ impl Homes {
             })
     }
 
-    /// The request rate of the groups homed on `slot` now.
-    pub fn homed_rate(&self, slot: usize, now_ms: u64, half_life_ms: u64) -> f64 {
-        self.entries
-            .iter()
-            .filter(|h| usize::from(h.slot) == slot)
-            .map(|h| h.rate_at(now_ms, half_life_ms))
-            .sum()
-    }
-
     /// Counts one request of `group` at `now_ms` and returns its home: the recorded one while
     /// that worker is eligible in the same incarnation, else a new one, the eligible worker
     /// with the least homed rate (`preferred` among equals, then the first; with
@@ -325,10 +316,10 @@ pub struct Placement {
     /// Among the workers whose homed rate is within its noise of the least (a difference of
     /// two counts of requests within the square root of their sum, or a tenth of a request),
     /// the one with the fewest groups homed, each counted up to 1 by its rate
-    /// (`scoring.home_fewest_groups`). Otherwise the least homed rate
-    /// within a tenth of a request. At start-up every user's first request arrives at once,
-    /// and the groups' first requests count who happened to start with which prompt: by
-    /// them alone, 4 of 6 groups went to one of 2 workers.
+    /// (`scoring.home_fewest_groups`). Otherwise the least homed rate within a tenth of a
+    /// request. At start-up every user's first request arrives at once, and the groups' first
+    /// requests count who happened to start with which prompt: by them alone, 4 of 6 groups
+    /// went to one of 2 workers.
     pub fewest_groups: bool,
 }
 
@@ -376,7 +367,7 @@ mod tests {
         assert_eq!(homes.visit(9, &w, 1, 30, 60_000, BY_RATE), Some(0));
         let back = Homes::decode(&homes.encode());
         assert_eq!(back, homes);
-        assert!((back.homed_rate(1, 30, 60_000) - 10.0).abs() < 0.01);
+        assert!((back.homed_here(1, None, 30, 60_000).0 - 10.0).abs() < 0.01);
     }
 
     /// The start-up burst of tight-256, 2 workers, seed 138 (docs/BENCHMARKS.md, fifty-first
