@@ -10,8 +10,8 @@
 //! weighted by its recent requests), so homes are balanced by traffic, not by count. A home
 //! whose worker left, became ineligible or was replaced (another incarnation of its slot) is
 //! chosen again the same way. Each group's decayed rate also gives its share of the traffic
-//! ([`Homes::share`]): the filter does not hold a group with more than about one worker's
-//! share to one home.
+//! ([`Homes::rates`], [`share_of`]): the filter does not hold a group with more than about one
+//! worker's share to one home.
 //!
 //! Value layout, little-endian; at most `capacity` entries, the least recently seen go first:
 //!
@@ -101,15 +101,6 @@ impl Homes {
             out.extend_from_slice(&h.seen_ms.to_le_bytes());
         }
         out
-    }
-
-    /// `group`'s share of the requests of every group in the table now (0 when unknown), over
-    /// at least `min_total` requests: until the table has seen that many (decayed), a share is
-    /// counted as if the rest had come from other groups, so the first groups seen do not
-    /// look like all of the traffic.
-    pub fn share(&self, group: u64, now_ms: u64, half_life_ms: u64, min_total: f64) -> f64 {
-        let (own, total) = self.rates(group, now_ms, half_life_ms);
-        share_of(own, total.max(min_total))
     }
 
     /// `group`'s decayed request rate now and every group's (one pass over the table), for
@@ -302,7 +293,9 @@ impl Homes {
     }
 }
 
-/// `own` over `total`, 0 when there is no traffic.
+/// `own` over `total`, 0 when there is no traffic. A group's share of the traffic is its rate
+/// over every group's ([`Homes::rates`]), counted over at least some minimum total where the
+/// first groups seen must not look like all of the traffic: `share_of(own, total.max(min))`.
 pub fn share_of(own: f64, total: f64) -> f64 {
     if total > 0.0 { own / total } else { 0.0 }
 }
@@ -336,6 +329,14 @@ pub struct Rebalance {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Homes {
+        /// `group`'s share over at least `min_total` requests, as the router counts it.
+        fn share(&self, group: u64, now_ms: u64, half_life_ms: u64, min_total: f64) -> f64 {
+            let (own, total) = self.rates(group, now_ms, half_life_ms);
+            share_of(own, total.max(min_total))
+        }
+    }
 
     /// The least homed rate decides; 64 groups kept.
     const BY_RATE: Placement = Placement {
