@@ -409,23 +409,36 @@ pub fn goes_home(
     if home == choice.index || chosen.matched_blocks >= preamble_blocks {
         return false;
     }
+    let (carries, bound) = home_load(choice, candidates, h, config);
+    carries <= bound
+}
+
+/// The requests a home would carry with this one, and the most it may carry: its load
+/// bound, or `home_fit_load_factor` times it while its cache still holds what it took
+/// recently, this request's new blocks included (see [`goes_home`]).
+pub fn home_load(
+    choice: &Choice,
+    candidates: &[Candidate],
+    home: &Candidate,
+    config: &ScoringConfig,
+) -> (f64, f64) {
     let total: f64 = candidates
         .iter()
         .map(|c| f64::from(c.inflight))
         .sum::<f64>()
         + 1.0;
-    let mean = total / candidates.len() as f64;
+    let mean = total / candidates.len().max(1) as f64;
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));
-    let carries = f64::from(h.inflight) + 1.0;
-    if carries <= bound {
-        return true;
+    let carries = f64::from(home.inflight) + 1.0;
+    if carries <= bound || !home_holds_its_footprint(choice, home, config) {
+        return (carries, bound);
     }
-    // Past the bound, a home whose cache still holds what it took recently, this request's
-    // new blocks included, may carry up to `home_fit_load_factor` times the bound.
-    home_holds_its_footprint(choice, h, config)
-        && carries <= (bound * config.home_fit_load_factor.max(1.0)).floor()
+    (
+        carries,
+        (bound * config.home_fit_load_factor.max(1.0)).floor(),
+    )
 }
 
 /// Whether a home's cache still holds what it took recently: its footprint plus the

@@ -28,6 +28,37 @@ impl Fallback {
     }
 }
 
+/// Why a request of a group did not go to its home, where its lowest-cost worker would
+/// recompute the group's preamble (`scoring.home_hold`, docs/ROUTING.md "Homes for groups").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LetGo {
+    /// The home would carry `carries` requests in flight, this one included, past the most
+    /// it may (`bound`: its load bound, or the fit factor times it).
+    LoadBound { carries: f64, bound: f64 },
+    /// The group has `shares` workers' shares of the recent traffic, past
+    /// `home_max_shares`, and neither rule past the limit held it; `fits`: whether the
+    /// home's cache holds its footprint and this request (both rules need it).
+    ShareLimit { shares: f64, fits: bool },
+}
+
+impl LetGo {
+    fn describe(&self) -> String {
+        match self {
+            LetGo::LoadBound { carries, bound } => {
+                format!("{carries:.0} in flight there past its bound of {bound:.0}")
+            }
+            LetGo::ShareLimit { shares, fits } => format!(
+                "its group has {shares:.1} workers' shares of the traffic{}",
+                if *fits {
+                    ""
+                } else {
+                    " and the home's cache does not hold its footprint"
+                }
+            ),
+        }
+    }
+}
+
 /// The worker a decision names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
@@ -69,6 +100,9 @@ pub struct Decision {
     /// The request went to its group's home instead of its lowest-cost worker
     /// (`scoring.home_hold`).
     pub home: bool,
+    /// The group's home when the request was not held to it (its name and why): the
+    /// preamble was recomputed on the chosen worker.
+    pub home_let_go: Option<(String, LetGo)>,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
     /// What the engine frees when the request ends, for [`super::Router::released`] (None for a
@@ -144,6 +178,12 @@ impl Decision {
                 );
                 if self.home {
                     line.push_str("; its group's home");
+                }
+                if let Some((name, why)) = &self.home_let_go {
+                    line.push_str(&format!(
+                        "; not its group's home {name}: {}",
+                        why.describe()
+                    ));
                 }
                 if let Some((name, matched, alt)) = &self.passed_over {
                     line.push_str(&format!(

@@ -3,8 +3,9 @@
 //! preamble (docs/ROUTING.md, "Homes for groups").
 
 use super::Router;
+use super::decision::LetGo;
 use crate::scoring::{
-    Candidate, Choice, goes_home, home_holds_its_footprint, home_wait_pays_for_preamble,
+    Candidate, Choice, goes_home, home_holds_its_footprint, home_load, home_wait_pays_for_preamble,
 };
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
 use crate::state::workers::LiveTable;
@@ -14,10 +15,24 @@ use crate::state::{SharedStore, cas_update};
 /// the table copies at most 6 KiB.
 const HOME_GROUPS: usize = 256;
 
+/// What [`Router::hold_home`] did with a request of a group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum HomeOutcome {
+    /// Sent to its home against the cost.
+    Held,
+    /// Its lowest-cost worker would recompute the preamble and the home (this slot) was not
+    /// held to, for this reason: what the decision log says.
+    LetGo(usize, LetGo),
+    /// No group, no home, or nothing to hold (the home is the choice, or the choice holds
+    /// the preamble).
+    Nothing,
+}
+
 impl Router {
     /// `scoring.home_hold`: counts the request in its group's home (the group is named by the
     /// key of the preamble's last block) and sends it there when [`goes_home`] says so.
-    /// Returns whether it changed the choice.
+    /// Says whether it changed the choice, and why not where the choice recomputes the
+    /// preamble.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn hold_home(
         &self,
@@ -29,10 +44,10 @@ impl Router {
         choice: &mut Choice,
         store: &dyn SharedStore,
         now_ms: u64,
-    ) -> bool {
+    ) -> HomeOutcome {
         let preamble = preamble_blocks.min(keys.len());
         let Some(&group) = preamble.checked_sub(1).and_then(|i| keys.get(i)) else {
-            return false;
+            return HomeOutcome::Nothing;
         };
         let workers: Vec<Eligible> = eligible
             .iter()
@@ -68,11 +83,22 @@ impl Router {
             table = homes;
             Some(encoded)
         });
-        let Some(index) = home.and_then(|h| eligible.iter().position(|&s| s == h)) else {
-            return false;
+        let Some((slot, index, at_home)) = home.and_then(|h| {
+            let index = eligible.iter().position(|&s| s == h)?;
+            Some((h, index, candidates.get(index)?))
+        }) else {
+            return HomeOutcome::Nothing;
         };
         if !goes_home(choice, candidates, index, preamble, scoring) {
-            return false;
+            let recomputes = index != choice.index
+                && candidates
+                    .get(choice.index)
+                    .is_some_and(|c| c.matched_blocks < preamble);
+            if !recomputes {
+                return HomeOutcome::Nothing;
+            }
+            let (carries, bound) = home_load(choice, candidates, at_home, scoring);
+            return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
         }
         // A group with clearly more than one worker's share of the traffic (one application's
         // system prompt on every request, say) cannot keep to one worker whose cache turns
@@ -92,19 +118,18 @@ impl Router {
         // costs less than the preamble's weighted recompute (docs/ROUTING.md). Checked last:
         // it decays every group's rate, and most requests stop at `goes_home`.
         let (own, total) = table.rates(group, now_ms, half_life);
-        if share_of(own, total.max(seen)) * n > scoring.home_max_shares {
-            let fits = candidates
-                .get(index)
-                .is_some_and(|h| home_holds_its_footprint(choice, h, scoring));
+        let shares = share_of(own, total.max(seen)) * n;
+        if shares > scoring.home_max_shares {
+            let fits = home_holds_its_footprint(choice, at_home, scoring);
             let within = fits && share_of(own, total) <= scoring.home_fit_max_traffic;
             let lifted = scoring.home_fit_lifts_share_limit
                 && fits
                 && home_wait_pays_for_preamble(choice, candidates, index, preamble, scoring);
             if !within && !lifted {
-                return false;
+                return HomeOutcome::LetGo(slot, LetGo::ShareLimit { shares, fits });
             }
         }
         choice.prefer(index);
-        true
+        HomeOutcome::Held
     }
 }

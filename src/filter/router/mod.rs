@@ -15,7 +15,7 @@ mod surviving;
 #[cfg(test)]
 mod tests;
 
-pub use decision::{Decision, Fallback, Held, Target};
+pub use decision::{Decision, Fallback, Held, LetGo, Target};
 
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
@@ -27,6 +27,7 @@ use crate::state::lookup::{default_probes, match_prefix};
 use crate::state::workers::{Live, LiveTable, Members, flag};
 use crate::state::writer::{read_live, read_members};
 use crate::state::{Keys, SharedStore, cas_update, decisions, ensure_key};
+use homes::HomeOutcome;
 
 /// A VM's router.
 #[derive(Debug)]
@@ -190,8 +191,8 @@ impl Router {
             block_size,
         };
         let mut choice = choose(request, &candidates, &self.config.router.scoring, random)?;
-        let home = self.config.router.scoring.home_hold
-            && self.hold_home(
+        let outcome = if self.config.router.scoring.home_hold {
+            self.hold_home(
                 keys,
                 analysis.layout.preamble_blocks,
                 &live,
@@ -200,7 +201,14 @@ impl Router {
                 &mut choice,
                 store,
                 now_ms,
-            );
+            )
+        } else {
+            HomeOutcome::Nothing
+        };
+        let home_let_go = match outcome {
+            HomeOutcome::LetGo(slot, why) => self.target(slot).map(|t| (t.name, why)),
+            _ => None,
+        };
         let slot = eligible.get(choice.index).copied()?;
         let target = self.target(slot)?;
         let estimate = choice.estimate();
@@ -280,7 +288,8 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            home,
+            home: outcome == HomeOutcome::Held,
+            home_let_go,
             recorded: end.is_some() && enqueued,
             held: live.get(slot).map(|l| Held {
                 keys: keys.to_vec(),
@@ -369,6 +378,7 @@ impl Router {
             precise: live.precise,
             fallback: Some(why),
             home: false,
+            home_let_go: None,
             recorded: end.is_some(),
             held: None,
         })

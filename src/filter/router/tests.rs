@@ -285,23 +285,37 @@ fn at_start_up_the_first_group_seen_is_held_to_its_home() {
             let b = with_system(&system, &png(700 + i, 600), "Describe this image.");
             // Routed 1 ms apart, before the state writer has recorded the first's blocks.
             let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
-            slots.push((d.target.slot, d.home));
+            slots.push((d.target.slot, d.home, d.log_line()));
         }
         slots
     };
     let held = run(4.0);
     assert_eq!(held[0].0, held[1].0, "both on the group's home: {held:?}");
     assert!(held[1].1, "the second went home against the cost: {held:?}");
+    assert!(held[1].2.contains("; its group's home"), "{}", held[1].2);
     let let_go = run(0.0);
     assert_ne!(
         let_go[0].0, let_go[1].0,
         "the cost spreads them: {let_go:?}"
     );
+    // The decision log says which home it was not held to, and why: the group is all of the
+    // traffic seen, 4 workers' shares.
+    let expected = format!(
+        "; not its group's home w{}: its group has 4.0 workers' shares of the traffic",
+        let_go[0].0
+    );
+    assert!(let_go[1].2.contains(&expected), "{}", let_go[1].2);
 }
 
 /// Two workers, slack 0.25: another application's 8 finished requests, then 8 of this one's,
 /// none finished, each with a new image. Returns where the 8 went and whether any was held.
 fn fill_home(config: FilterConfig) -> (Vec<usize>, bool) {
+    let (slots, held, _) = fill_home_logged(config);
+    (slots, held)
+}
+
+/// [`fill_home`], with the 8 decisions' log lines.
+fn fill_home_logged(config: FilterConfig) -> (Vec<usize>, bool, Vec<String>) {
     let store = MemoryStore::default();
     let mut r = start(&store, config);
     let system = "You are assistant one. ".repeat(20);
@@ -314,15 +328,16 @@ fn fill_home(config: FilterConfig) -> (Vec<usize>, bool) {
         apply(&store, &r, u64::from(i) + 1);
         assert!(r.finished(&store, &d, (u64::from(i) + 1) * 1000, true));
     }
-    let (mut slots, mut held) = (Vec::new(), false);
+    let (mut slots, mut held, mut lines) = (Vec::new(), false, Vec::new());
     for i in 0..8u32 {
         let b = with_system(&system, &png(600 + i, 600), "Describe this image.");
         let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
         apply(&store, &r, u64::from(i) + 1);
         slots.push(d.target.slot);
         held |= d.home;
+        lines.push(d.log_line());
     }
-    (slots, held)
+    (slots, held, lines)
 }
 
 /// `home_hold(2, 0.25)` with shares over what the table has seen: the other application's
@@ -340,7 +355,7 @@ fn a_home_past_its_load_bound_is_not_held_to() {
     // None finishes: the home fills up to the bound (ceil(1.25 × mean)), then the rest go to
     // the other worker.
     let roomy = config(2).state.capacity_blocks;
-    let (slots, held) = fill_home(bounded_home(1.0, roomy));
+    let (slots, held, lines) = fill_home_logged(bounded_home(1.0, roomy));
     assert!(
         held,
         "the hold kept some at home against the cost: {slots:?}"
@@ -350,6 +365,33 @@ fn a_home_past_its_load_bound_is_not_held_to() {
         (4..=5).contains(&at_home),
         "at most ceil(1.25 × 8 / 2) = 5 at home, and not spread evenly by cost alone: {slots:?}"
     );
+    // The decision log says why the first one sent away was not held: the home would carry
+    // more than its bound.
+    let away = slots
+        .iter()
+        .position(|&s| s != slots[0])
+        .expect("one went away");
+    let line = &lines[away];
+    let why = format!("; not its group's home w{}: ", slots[0]);
+    let numbers: Vec<u32> = line
+        .split(&why)
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .map(|why| why.split(' ').filter_map(|w| w.parse().ok()).collect())
+        .unwrap_or_default();
+    assert!(
+        line.contains(" in flight there past its bound of "),
+        "{line}"
+    );
+    assert!(
+        matches!(numbers[..], [carries, bound] if carries > bound),
+        "{line}"
+    );
+    for (line, &slot) in lines.iter().zip(&slots) {
+        if slot == slots[0] {
+            assert!(!line.contains("not its group's home"), "{line}");
+        }
+    }
 }
 
 #[test]
