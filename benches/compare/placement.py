@@ -24,7 +24,7 @@ first turns placed by a rule:
 Printed: per rule the mean hit rate over the seeds and its difference from `--against` with
 the standard error and the seeds where it was higher. One request at a time, with the state
 exact: it ranks rules, it does not predict a concurrent run's hit rate (docs/BENCHMARKS.md,
-fifty-third run, compares it with measured runs).
+fifty-fifth run, compares it with measured runs).
 """
 import argparse
 import statistics
