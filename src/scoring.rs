@@ -403,14 +403,28 @@ pub fn goes_home(
     preamble_blocks: usize,
     config: &ScoringConfig,
 ) -> bool {
-    let (Some(chosen), Some(h)) = (candidates.get(choice.index), candidates.get(home)) else {
+    let Some(h) = candidates.get(home) else {
         return false;
     };
-    if home == choice.index || chosen.matched_blocks >= preamble_blocks {
+    if !home_saves_preamble(choice, candidates, home, preamble_blocks) {
         return false;
     }
     let (carries, bound) = home_load(choice, candidates, h, config);
     carries <= bound
+}
+
+/// Whether the home (candidate `home`) would save the request recomputing its group's
+/// preamble: the chosen worker is another one and holds less than the preamble.
+pub fn home_saves_preamble(
+    choice: &Choice,
+    candidates: &[Candidate],
+    home: usize,
+    preamble_blocks: usize,
+) -> bool {
+    home != choice.index
+        && candidates
+            .get(choice.index)
+            .is_some_and(|c| c.matched_blocks < preamble_blocks)
 }
 
 /// The requests a home would carry with this one, and the most it may carry: its load

@@ -5,7 +5,8 @@
 use super::Router;
 use super::decision::LetGo;
 use crate::scoring::{
-    Candidate, Choice, goes_home, home_holds_its_footprint, home_load, home_wait_pays_for_preamble,
+    Candidate, Choice, goes_home, home_holds_its_footprint, home_load, home_saves_preamble,
+    home_wait_pays_for_preamble,
 };
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
 use crate::state::workers::LiveTable;
@@ -90,11 +91,7 @@ impl Router {
             return HomeOutcome::Nothing;
         };
         if !goes_home(choice, candidates, index, preamble, scoring) {
-            let recomputes = index != choice.index
-                && candidates
-                    .get(choice.index)
-                    .is_some_and(|c| c.matched_blocks < preamble);
-            if !recomputes {
+            if !home_saves_preamble(choice, candidates, index, preamble) {
                 return HomeOutcome::Nothing;
             }
             let (carries, bound) = home_load(choice, candidates, at_home, scoring);
