@@ -26,7 +26,9 @@
 //!   `prefill_tokens_per_sec` until it has one.
 //! - `matched_blocks(w)` is the prefix of the request's blocks that `w` holds; in precise
 //!   mode, the part of it still cached when `w` admits the request, after the blocks of the
-//!   prefill queued before it (`admission_match`, docs/ROUTING.md).
+//!   prefill queued before it (`admission_match`, docs/ROUTING.md), where a prefix that a
+//!   queued request shares counts as touched at that request's admission
+//!   (`admission_stamps`).
 //! - `share(w)` is `w`'s recent footprint (new blocks the router put there, decayed with
 //!   `footprint_half_life_ms`) over the mean of the candidates. A worker that took more than
 //!   its share of new content pays for this request's new tokens in proportion: new content
@@ -162,6 +164,15 @@ pub struct ScoringConfig {
     /// worker admits the request, after the blocks of the requests queued before it
     /// (default true). False counts what the worker holds now.
     pub admission_match: bool,
+    /// Precise mode: a routed request's block keys are stamped with the clock its worker
+    /// will have once it has stored the prefill queued ahead of it (in blocks, at the
+    /// worker's speed) and the request's own new blocks, up to 16 capacities ahead
+    /// ([`crate::state::workers::FUTURE_CAPACITIES`]) (default false: its own new blocks
+    /// only). A prefix that a queued request shares (its group's preamble) is touched again
+    /// at that request's admission, so the admission cut counts it that young for the
+    /// requests queued behind it, instead of evicted by the queue ahead of both. Measured
+    /// level with the default in hit rate (docs/ROUTING.md, "Capacity").
+    pub admission_stamps: bool,
     /// The recompute's weight grows with the fleet's load: `recompute_weight × (1 + mean
     /// requests in flight per candidate)` (default true): about as many requests queue
     /// behind a recompute as are in flight on a worker. False keeps it at `recompute_weight`.
@@ -234,6 +245,7 @@ impl Default for ScoringConfig {
             temperature: 0.0,
             recompute_weight: 1.0,
             admission_match: true,
+            admission_stamps: false,
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,

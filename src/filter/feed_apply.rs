@@ -414,6 +414,63 @@ mod tests {
         assert!(!later.log_line().contains("at admission"));
     }
 
+    /// One worker with more prefill queued than its cache holds; a request routed there
+    /// (not yet stored by its engine), then the same request again: how much of it the
+    /// second one is predicted to find at admission.
+    fn behind_a_long_queue(config: &[u8]) -> (usize, usize) {
+        let store = MemoryStore::default();
+        let mut router = Router::new(FilterConfig::from_json(config).expect("config"));
+        router.prepare(&store);
+        let mut state = FeedState::default();
+        let workers = vec![FeedWorker {
+            capacity: 4000,
+            ..worker("a", 0, 0)
+        }];
+        state
+            .apply(&router, &store, &feed(workers, vec![]), 1)
+            .expect("applies");
+        mark_precise(&store, &router);
+        let load = LoadTable::new(router.keys().load());
+        // 1.2 capacities of prefill ahead (at the default 10,000 tokens/s).
+        load.route(
+            &store,
+            0,
+            1_000_000,
+            (1.2 * 4000.0 * 16.0 / 10_000.0 * 1e6) as u64,
+        );
+        let b = body(&"a long shared system prompt with many words ".repeat(120));
+        let analysis = analyze(&b, &router.config.router).expect("analyses");
+        let first = router
+            .route_analysis(&analysis, &store, 1_000_000, 1)
+            .expect("routed");
+        drain(
+            &store,
+            router.keys(),
+            &router.config.state,
+            60_000,
+            1001,
+            100,
+        );
+        let again = router
+            .route_analysis(&analysis, &store, 1_010_000, 2)
+            .expect("routed");
+        assert_eq!(first.target.slot, again.target.slot);
+        (again.matched_blocks, analysis.layout.keys.len())
+    }
+
+    #[test]
+    fn with_admission_stamps_a_prefix_a_queued_request_shares_survives_the_queue_ahead_of_it() {
+        // Stamped for its own blocks only, the first request's prefix looks evicted by the
+        // queue ahead of both by the time the second is admitted.
+        let (matched, _) = behind_a_long_queue(br#"{"sidecar":{}}"#);
+        assert_eq!(matched, 0);
+        // Stamped for its admission (after the queue ahead of it), the first request touches
+        // it again just before the second: it is found whole.
+        let (matched, n) =
+            behind_a_long_queue(br#"{"sidecar":{},"scoring":{"admission_stamps":true}}"#);
+        assert_eq!(matched, n);
+    }
+
     /// Routes a request to one worker whose cache holds it one and a half times over, lets
     /// the engine store its blocks, and routes it again (precise mode). Returns the second
     /// match and the request's blocks.

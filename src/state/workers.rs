@@ -91,6 +91,12 @@ pub mod flag {
     pub const EVENTS: u8 = 8;
 }
 
+/// How far ahead of a worker's clock a stamp may be and still count, in capacities: a
+/// request stamped for its admission behind a queue (`scoring.admission_stamps`) is as far
+/// ahead as the prefill queued before it, and a queue longer than this many caches is one
+/// whose blocks will be gone anyway.
+pub const FUTURE_CAPACITIES: u32 = 16;
+
 /// One slot's live state.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Live {
@@ -142,12 +148,14 @@ impl Live {
     }
 
     /// Whether a holder stamped `stamp` is still in the worker's cache by the LRU model. A
-    /// stamp slightly ahead of the clock (a decision recorded before the state writer moved
-    /// the clock for it) holds too.
+    /// stamp ahead of the clock (a decision recorded before the state writer moved the clock
+    /// for it, or stamped for its admission behind a queue) holds too, up to
+    /// [`FUTURE_CAPACITIES`] capacities ahead.
     pub fn holds(&self, stamp: u32) -> bool {
         let capacity = self.capacity.max(1);
         let age = (self.clock as u32).wrapping_sub(stamp);
-        self.active() && (age < capacity || age > u32::MAX - capacity)
+        self.active()
+            && (age < capacity || age > u32::MAX - capacity.saturating_mul(FUTURE_CAPACITIES))
     }
 
     /// The stamp of a block touched now.
@@ -387,6 +395,11 @@ mod tests {
         let stamp = w.stamp();
         w.clock += 5;
         assert!(w.holds(stamp));
+        // Ahead of the clock (stamped for an admission behind a queue): held up to
+        // FUTURE_CAPACITIES capacities ahead, across the wrap too.
+        let ahead = |blocks: u32| w.holds(w.stamp().wrapping_add(blocks));
+        assert!(ahead(1) && ahead(10 * FUTURE_CAPACITIES));
+        assert!(!ahead(10 * FUTURE_CAPACITIES + 1), "further ahead: garbage");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
 use crate::state::load::{Load, LoadTable};
 use crate::state::lookup::{default_probes, match_prefix};
-use crate::state::workers::{Live, LiveTable, Members, flag};
+use crate::state::workers::{FUTURE_CAPACITIES, Live, LiveTable, Members, flag};
 use crate::state::writer::{read_live, read_members};
 use crate::state::{Keys, SharedStore, cas_update, decisions, ensure_key};
 use homes::HomeOutcome;
@@ -226,10 +226,29 @@ impl Router {
         // predicted overlap was 67-103 tokens per request short at 256 blocks per worker,
         // docs/BENCHMARKS.md, thirty-first run). The record carries it for such a worker;
         // in approximate mode the state writer moves the clock by the decision's new blocks,
-        // in the order it drains them, and then stamps.
+        // in the order it drains them, and then stamps. With `scoring.admission_stamps` the
+        // engine stores the prefill queued ahead of the request first: the request touches its
+        // prefix (a group's preamble) again only then, so the stamp is that much later, and a
+        // request queued behind it finds the prefix the queue ahead of both would have evicted.
+        let ahead = if self.config.router.scoring.admission_stamps {
+            candidates.get(choice.index).map_or(0, |c| {
+                let tps = c
+                    .prefill_tps
+                    .unwrap_or(self.config.router.scoring.prefill_tokens_per_sec);
+                (c.queued_s.max(0.0) * tps / block_size as f64) as u64
+            })
+        } else {
+            0
+        };
         let (stamp, events) = live.get(slot).map_or((0, false), |l| {
-            let stamp = l.clock.wrapping_add(u64::from(new_blocks)) as u32;
-            (stamp, l.flags & flag::EVENTS != 0)
+            let events = l.flags & flag::EVENTS != 0;
+            // Stamps stay within what `Live::holds` counts ahead of the clock.
+            let room = u64::from(l.capacity.max(1))
+                .saturating_mul(u64::from(FUTURE_CAPACITIES))
+                .saturating_sub(u64::from(new_blocks) + 1);
+            let ahead = if events { ahead.min(room) } else { 0 };
+            let stamp = l.clock.wrapping_add(u64::from(new_blocks) + ahead) as u32;
+            (stamp, events)
         });
         if matched < keys.len() {
             self.record_last_key(store, &live, slot, keys, stamp);
