@@ -474,10 +474,16 @@ pub fn home_load(
 /// start-up, every footprint is 0) the recorded one lags what the worker is about to write.
 pub fn home_holds_its_footprint(choice: &Choice, home: &Candidate, config: &ScoringConfig) -> bool {
     let new_blocks = choice.request_blocks.saturating_sub(home.matched_blocks) as f64;
-    let speed = speed(home, config);
-    let queued_blocks = home.queued_s.max(0.0) * speed / choice.block_size.max(1) as f64;
-    let footprint = home.footprint.max(queued_blocks).max(0.0);
+    let footprint = home
+        .footprint
+        .max(queued_blocks(home, choice.block_size, config))
+        .max(0.0);
     known(home.capacity_blocks).is_some_and(|capacity| footprint + new_blocks <= capacity)
+}
+
+/// The blocks of the prefill queued on a worker: its queue clock at its speed.
+pub fn queued_blocks(c: &Candidate, block_size: usize, config: &ScoringConfig) -> f64 {
+    c.queued_s.max(0.0) * speed(c, config) / block_size.max(1) as f64
 }
 
 /// Whether a home's extra wait (over the chosen worker's) costs no more than the preamble's

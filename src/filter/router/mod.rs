@@ -19,7 +19,9 @@ pub use decision::{Decision, Fallback, Held, LetGo, Target};
 
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
-use crate::scoring::{Candidate, Estimate, RequestSize, choose, pick_below, splitmix64};
+use crate::scoring::{
+    Candidate, Estimate, RequestSize, choose, pick_below, queued_blocks, splitmix64,
+};
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
 use crate::state::load::{Load, LoadTable};
@@ -230,15 +232,10 @@ impl Router {
         // engine stores the prefill queued ahead of the request first: the request touches its
         // prefix (a group's preamble) again only then, so the stamp is that much later, and a
         // request queued behind it finds the prefix the queue ahead of both would have evicted.
-        let ahead = if self.config.router.scoring.admission_stamps {
-            candidates.get(choice.index).map_or(0, |c| {
-                let tps = c
-                    .prefill_tps
-                    .unwrap_or(self.config.router.scoring.prefill_tokens_per_sec);
-                (c.queued_s.max(0.0) * tps / block_size as f64) as u64
-            })
-        } else {
-            0
+        let scoring = &self.config.router.scoring;
+        let ahead = match candidates.get(choice.index) {
+            Some(c) if scoring.admission_stamps => queued_blocks(c, block_size, scoring) as u64,
+            _ => 0,
         };
         let (stamp, events) = live.get(slot).map_or((0, false), |l| {
             let events = l.flags & flag::EVENTS != 0;
