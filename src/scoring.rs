@@ -26,7 +26,8 @@
 //!   `prefill_tokens_per_sec` until it has one.
 //! - `matched_blocks(w)` is the prefix of the request's blocks that `w` holds; in precise
 //!   mode, the part of it still cached when `w` admits the request, after the blocks of the
-//!   prefill queued before it (`admission_match`, docs/ROUTING.md), where a prefix that a
+//!   prefill queued before it (`admission_match`, docs/ROUTING.md), at most the blocks routed
+//!   there that its engine has not stored yet (`admission_pending`), where a prefix that a
 //!   queued request shares counts as touched at that request's admission
 //!   (`admission_stamps`).
 //! - `share(w)` is `w`'s recent footprint (new blocks the router put there, decayed with
@@ -173,6 +174,11 @@ pub struct ScoringConfig {
     /// requests queued behind it, instead of evicted by the queue ahead of both. Measured
     /// level with the default in hit rate (docs/ROUTING.md, "Capacity").
     pub admission_stamps: bool,
+    /// Precise mode: the blocks the admission cut counts ahead of a request are at most the
+    /// new blocks routed to the worker that its engine has not stored yet (default true): the
+    /// requests admitted and still in prefill are on the queue clock, but vLLM allocated their
+    /// blocks when it admitted them ([`crate::state::load`], "Blocks not yet stored").
+    pub admission_pending: bool,
     /// The recompute's weight grows with the fleet's load: `recompute_weight × (1 + mean
     /// requests in flight per candidate)` (default true): about as many requests queue
     /// behind a recompute as are in flight on a worker. False keeps it at `recompute_weight`.
@@ -246,6 +252,7 @@ impl Default for ScoringConfig {
             recompute_weight: 1.0,
             admission_match: true,
             admission_stamps: false,
+            admission_pending: true,
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,

@@ -520,6 +520,7 @@ fn write_seeds() {
         mmrouter::state::load::Load {
             inflight: 3,
             queue_until_us: 1_700_000_000_000_000,
+            pending_blocks: 0,
         },
         Default::default(),
     ]);

@@ -55,6 +55,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.recompute_weight, 1.0);
     assert!(c.admission_match);
     assert!(!c.admission_stamps);
+    assert!(c.admission_pending);
     assert!(c.recompute_grows_with_load);
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);

@@ -162,6 +162,7 @@ fn loads(value: &[u8]) {
             let entry = value.get(i * 16..i * 16 + 16).filter(|_| whole);
             let want = entry.map_or(load::Load::default(), |e| load::Load {
                 inflight: u32::from_le_bytes([e[0], e[1], e[2], e[3]]),
+                pending_blocks: u32::from_le_bytes([e[4], e[5], e[6], e[7]]),
                 queue_until_us: u64::from_le_bytes(e[8..16].try_into().unwrap_or_default()),
             });
             assert_eq!(*got, want, "slot {i}");

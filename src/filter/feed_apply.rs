@@ -71,9 +71,11 @@ impl FeedState {
         let load = LoadTable::new(keys.load());
         let loads = load.read(store, members.slots.len());
         let mut reconcile = Vec::new();
+        let mut stored_blocks = Vec::new();
         update_live(store, keys, now_ms, |table| {
             next_totals.clear();
             reconcile.clear();
+            stored_blocks.clear();
             for w in &f.workers {
                 let Some(slot) = members.slot_of(&w.name) else {
                     continue;
@@ -120,6 +122,9 @@ impl FeedState {
                     if w.events_connected && w.stored_total >= stored {
                         let blocks = (w.stored_total - stored) * engine_bs / router_bs;
                         l.clock = l.clock.wrapping_add(blocks);
+                        if blocks > 0 {
+                            stored_blocks.push((slot, blocks));
+                        }
                     }
                     if w.cleared_total > cleared {
                         l.forget_cache(now_ms);
@@ -133,6 +138,9 @@ impl FeedState {
         self.totals = next_totals;
         for (slot, engine) in reconcile {
             load.cap_inflight(store, slot, engine);
+        }
+        for (slot, blocks) in stored_blocks {
+            load.stored(store, slot, blocks);
         }
         let live = read_live(store, keys);
         let updates: Vec<(usize, u64, u32)> = f
@@ -373,11 +381,11 @@ mod tests {
             .apply(&router, &store, &feed(workers(stored), vec![]), 1200)
             .expect("applies");
         // Both workers have 0.6 of their capacity queued ahead (at the default 10,000
-        // tokens/s): by admission every matched block is gone.
+        // tokens/s), not admitted yet: by admission every matched block is gone.
         let load = LoadTable::new(router.keys().load());
         let queued_us = (0.6 * 4000.0 * 16.0 / 10_000.0 * 1e6) as u64;
         for slot in 0..2 {
-            load.route(&store, slot, 2_000_000, queued_us);
+            load.route(&store, slot, 2_000_000, queued_us, 2400);
         }
         let cut = router
             .route_analysis(&analysis, &store, 2_000_000, 1)
@@ -414,6 +422,66 @@ mod tests {
         assert!(!later.log_line().contains("at admission"));
     }
 
+    /// One worker whose engine stored a quarter of its capacity since a request was routed
+    /// there, then `queued` blocks of prefill queued ahead (at the default speed), of which
+    /// the engine admitted and stored `admitted`: how much of the request a repeat is
+    /// predicted to find at admission, and its blocks.
+    fn behind_an_admitted_queue(config: &[u8], queued: u64, admitted: u64) -> (usize, usize) {
+        let store = MemoryStore::default();
+        let mut router = Router::new(FilterConfig::from_json(config).expect("config"));
+        router.prepare(&store);
+        let mut state = FeedState::default();
+        let workers = |stored: u64| {
+            vec![FeedWorker {
+                capacity: 4000,
+                ..worker("a", stored, 0)
+            }]
+        };
+        state
+            .apply(&router, &store, &feed(workers(0), vec![]), 1)
+            .expect("applies");
+        mark_precise(&store, &router);
+        let b = body(&"a long shared system prompt with many words ".repeat(120));
+        let analysis = analyze(&b, &router.config.router).expect("analyses");
+        route_and_record(&mut router, &store, &analysis);
+        state
+            .apply(&router, &store, &feed(workers(1000), vec![]), 1200)
+            .expect("applies");
+        let load = LoadTable::new(router.keys().load());
+        let queued_us = (queued as f64 * 16.0 / 10_000.0 * 1e6) as u64;
+        load.route(&store, 0, 1_500_000, queued_us, queued as u32);
+        state
+            .apply(
+                &router,
+                &store,
+                &feed(workers(1000 + admitted), vec![]),
+                1600,
+            )
+            .expect("applies");
+        mark_precise(&store, &router);
+        let again = router
+            .route_analysis(&analysis, &store, 1_700_000, 2)
+            .expect("routed");
+        (again.matched_blocks, analysis.layout.keys.len())
+    }
+
+    #[test]
+    fn the_queue_ahead_that_its_engine_admitted_already_is_not_counted_twice() {
+        let pending = br#"{"sidecar":{}}"#;
+        let clock_only = br#"{"sidecar":{},"scoring":{"admission_pending":false}}"#;
+        // The match is a quarter of the capacity old. 0.6 of a capacity queued, none of it
+        // admitted: it survives (0.85); 0.9 queued: it is gone.
+        let (matched, n) = behind_an_admitted_queue(pending, 2400, 0);
+        assert_eq!(matched, n);
+        assert_eq!(behind_an_admitted_queue(pending, 3600, 0).0, 0);
+        // The engine admitted 1,600 of the 2,400 blocks: the match is 0.65 old now and 0.2 is
+        // left to allocate: it survives whole, as before the admissions.
+        assert_eq!(behind_an_admitted_queue(pending, 2400, 1600).0, n);
+        // Counted on the queue clock alone, the admitted blocks age the match twice (by the
+        // engine's clock and as queue ahead, 1.25): cut to nothing.
+        assert_eq!(behind_an_admitted_queue(clock_only, 2400, 1600).0, 0);
+    }
+
     /// One worker with more prefill queued than its cache holds; a request routed there
     /// (not yet stored by its engine), then the same request again: how much of it the
     /// second one is predicted to find at admission.
@@ -431,12 +499,13 @@ mod tests {
             .expect("applies");
         mark_precise(&store, &router);
         let load = LoadTable::new(router.keys().load());
-        // 1.2 capacities of prefill ahead (at the default 10,000 tokens/s).
+        // 1.2 capacities of prefill ahead (at the default 10,000 tokens/s), not admitted.
         load.route(
             &store,
             0,
             1_000_000,
             (1.2 * 4000.0 * 16.0 / 10_000.0 * 1e6) as u64,
+            4800,
         );
         let b = body(&"a long shared system prompt with many words ".repeat(120));
         let analysis = analyze(&b, &router.config.router).expect("analyses");
@@ -563,7 +632,7 @@ mod tests {
         // evicted by admission), 0.06 at the fleet's mean (it survives).
         let load = LoadTable::new(router.keys().load());
         for slot in 0..2 {
-            load.route(&store, slot, 2_000_000, 3_840_000);
+            load.route(&store, slot, 2_000_000, 3_840_000, 2400);
         }
         let cut = router
             .route_analysis(&analysis, &store, 2_000_000, 1)

@@ -1,5 +1,7 @@
-//! Each worker's load as the router sees it (`<ns>.load`): requests in flight and a prefill
-//! queue clock. Every VM updates it with CAS on the request path; it is 16 bytes per slot.
+//! Each worker's load as the router sees it (`<ns>.load`): requests in flight, a prefill
+//! queue clock and the new blocks routed there that its engine has not stored yet. Every VM
+//! updates it with CAS on the request path (the state writer too, from the sidecar's feed); it
+//! is 16 bytes per slot.
 //!
 //! ## The prefill queue clock
 //! An engine prefills one batch after another, first come first served (vLLM's FCFS
@@ -23,6 +25,16 @@
 //! Nothing has to be released for the clock to stay right: a lost `on_log` (a VM that
 //! trapped, a reload) leaves a clock that drains by itself.
 //!
+//! ## Blocks not yet stored
+//! The queue clock overstates what the engine will allocate before it admits a new request:
+//! vLLM allocates (and stores, with a `BlockStored` event) a request's blocks when it admits
+//! it, and the requests admitted but still in prefill are on the clock too. So each slot also
+//! counts the new blocks routed to it that its engine has not stored yet: routing adds the
+//! request's new blocks, the engine's stored blocks (from the sidecar's feed) take them off.
+//! Where that count is smaller than the queue clock's prefill in blocks, the admission cut
+//! uses it (`scoring.admission_pending`). Blocks a request's engine stored as hits or never
+//! stored (a request dropped before admission) leave the count with the engine's next stores.
+//!
 //! ## In-flight counts
 //! Released on completion, reset and stream error (`on_log`). A VM that traps loses its
 //! streams' releases, so the state writer reconciles the counts with the engine: when a
@@ -39,6 +51,10 @@ pub struct Load {
     pub inflight: u32,
     /// When the worker's queued prefill will be done (µs since the epoch).
     pub queue_until_us: u64,
+    /// New blocks routed to the worker that its engine has not stored yet: what the
+    /// admissions of the requests still waiting there will allocate (precise mode; see
+    /// "Blocks not yet stored").
+    pub pending_blocks: u32,
 }
 
 impl Load {
@@ -47,6 +63,21 @@ impl Load {
     fn prefill_ended(&mut self, at_us: u64, expected_us: u64) {
         let behind = self.queue_until_us.saturating_sub(expected_us);
         self.queue_until_us = at_us.saturating_add(behind);
+    }
+
+    /// A request routed at `now_us` with `prefill_us` of prefill and `new_blocks` to allocate
+    /// queues behind the others; returns when its prefill is estimated to end.
+    fn routed(&mut self, now_us: u64, prefill_us: u64, new_blocks: u32) -> u64 {
+        self.inflight = self.inflight.saturating_add(1);
+        if self.queue_until_us <= now_us {
+            // Every request routed before has been prefilled, so admitted and stored: what
+            // the count still holds were blocks the engine found cached.
+            self.pending_blocks = 0;
+        }
+        self.pending_blocks = self.pending_blocks.saturating_add(new_blocks);
+        let start = self.queue_until_us.max(now_us);
+        self.queue_until_us = start.saturating_add(prefill_us);
+        self.queue_until_us
     }
 
     /// Prefill time still queued ahead of a request arriving at `now_us`.
@@ -65,12 +96,13 @@ pub fn decode(bytes: &[u8], slots: usize) -> Vec<Load> {
     }
     let mut r = Reader::new(bytes);
     for load in out.iter_mut() {
-        let (Some(inflight), Some(_), Some(until)) = (r.u32(), r.u32(), r.u64()) else {
+        let (Some(inflight), Some(pending), Some(until)) = (r.u32(), r.u32(), r.u64()) else {
             break;
         };
         *load = Load {
             inflight,
             queue_until_us: until,
+            pending_blocks: pending,
         };
     }
     out
@@ -80,7 +112,7 @@ pub fn encode(loads: &[Load]) -> Vec<u8> {
     let mut out = Vec::with_capacity(loads.len() * ENTRY);
     for l in loads {
         out.extend_from_slice(&l.inflight.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&l.pending_blocks.to_le_bytes());
         out.extend_from_slice(&l.queue_until_us.to_le_bytes());
     }
     out
@@ -146,38 +178,34 @@ impl LoadTable {
         slot: usize,
         now_us: u64,
         prefill_us: u64,
+        new_blocks: u32,
     ) -> Option<u64> {
         let end = std::cell::Cell::new(None);
-        let apply = |l: &mut Load| {
-            l.inflight = l.inflight.saturating_add(1);
-            let start = l.queue_until_us.max(now_us);
-            l.queue_until_us = start.saturating_add(prefill_us);
-            end.set(Some(l.queue_until_us));
-        };
+        let apply = |l: &mut Load| end.set(Some(l.routed(now_us, prefill_us, new_blocks)));
         if let Some((bytes, cas)) = &snapshot.read
             && let Some(next) = modified(bytes, slot, &apply)
             && store.set(&self.key, &next, Some(*cas)).is_ok()
         {
             return end.get();
         }
-        self.route(store, slot, now_us, prefill_us)
+        let ok = self.update(store, slot, apply);
+        if ok { end.get() } else { None }
     }
 
-    /// A request was routed to `slot` at `now_us` with `prefill_us` of prefill to do. Returns
-    /// when its prefill is estimated to end (None when the update was lost).
+    /// A request was routed to `slot` at `now_us` with `prefill_us` of prefill to do and
+    /// `new_blocks` to allocate. Returns when its prefill is estimated to end (None when the
+    /// update was lost).
     pub fn route(
         &self,
         store: &dyn SharedStore,
         slot: usize,
         now_us: u64,
         prefill_us: u64,
+        new_blocks: u32,
     ) -> Option<u64> {
         let end = std::cell::Cell::new(None);
         let ok = self.update(store, slot, |l| {
-            l.inflight = l.inflight.saturating_add(1);
-            let start = l.queue_until_us.max(now_us);
-            l.queue_until_us = start.saturating_add(prefill_us);
-            end.set(Some(l.queue_until_us));
+            end.set(Some(l.routed(now_us, prefill_us, new_blocks)));
         });
         if ok { end.get() } else { None }
     }
@@ -224,6 +252,14 @@ impl LoadTable {
         })
     }
 
+    /// `slot`'s engine stored `blocks` blocks: they leave the blocks not yet stored.
+    pub fn stored(&self, store: &dyn SharedStore, slot: usize, blocks: u64) -> bool {
+        let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+        self.update(store, slot, |l| {
+            l.pending_blocks = l.pending_blocks.saturating_sub(blocks)
+        })
+    }
+
     /// Sets `slot`'s in-flight count to at most `count` (reconciliation with the engine).
     pub fn cap_inflight(&self, store: &dyn SharedStore, slot: usize, count: u32) -> bool {
         self.update(store, slot, |l| l.inflight = l.inflight.min(count))
@@ -244,9 +280,9 @@ mod tests {
     fn prefill_queues_behind_earlier_requests_and_drains_with_time() {
         let s = MemoryStore::default();
         let t = LoadTable::new("load".into());
-        assert_eq!(t.route(&s, 1, 1_000, 500), Some(1_500));
+        assert_eq!(t.route(&s, 1, 1_000, 500, 0), Some(1_500));
         assert_eq!(
-            t.route(&s, 1, 1_100, 300),
+            t.route(&s, 1, 1_100, 300, 0),
             Some(1_800),
             "queued behind the first"
         );
@@ -255,19 +291,19 @@ mod tests {
         assert_eq!(l[1].queued_us(1_100), 700);
         assert_eq!(l[1].queued_us(2_000), 0, "the clock drains by itself");
         assert_eq!(l[0], Load::default());
-        assert_eq!(t.route(&s, 1, 5_000, 100), Some(5_100), "idle again");
+        assert_eq!(t.route(&s, 1, 5_000, 100, 0), Some(5_100), "idle again");
     }
 
     #[test]
     fn a_route_after_a_read_writes_once_and_retries_when_another_vm_wrote() {
         let s = MemoryStore::default();
         let t = LoadTable::new("load".into());
-        t.route(&s, 0, 0, 100).expect("routed");
+        t.route(&s, 0, 0, 100, 0).expect("routed");
         let snap = t.snapshot(&s, 2);
         assert_eq!(snap.loads[0].inflight, 1);
-        assert_eq!(t.route_after(&s, &snap, 1, 0, 50), Some(50));
+        assert_eq!(t.route_after(&s, &snap, 1, 0, 50, 0), Some(50));
         // The snapshot is stale now (another update landed): the route still counts.
-        assert_eq!(t.route_after(&s, &snap, 0, 0, 10), Some(110));
+        assert_eq!(t.route_after(&s, &snap, 0, 0, 10, 0), Some(110));
         let l = t.read(&s, 2);
         assert_eq!((l[0].inflight, l[1].inflight), (2, 1));
     }
@@ -276,22 +312,22 @@ mod tests {
     fn a_late_first_token_delays_what_queued_behind_it() {
         let s = MemoryStore::default();
         let t = LoadTable::new("load".into());
-        let first = t.route(&s, 0, 0, 1_000).expect("routed");
-        t.route(&s, 0, 0, 1_000).expect("routed");
+        let first = t.route(&s, 0, 0, 1_000, 0).expect("routed");
+        t.route(&s, 0, 0, 1_000, 0).expect("routed");
         // The first request's prefill ended at 1_600, not 1_000: the second ends at 2_600.
         assert!(t.prefill_done(&s, 0, 1_600, first));
         assert_eq!(t.read(&s, 1)[0].queue_until_us, 2_600);
         // An early one pulls it in.
         let s2 = MemoryStore::default();
-        let first = t.route(&s2, 0, 0, 1_000).expect("routed");
-        t.route(&s2, 0, 0, 1_000).expect("routed");
+        let first = t.route(&s2, 0, 0, 1_000, 0).expect("routed");
+        t.route(&s2, 0, 0, 1_000, 0).expect("routed");
         assert!(t.prefill_done(&s2, 0, 400, first));
         assert_eq!(t.read(&s2, 1)[0].queue_until_us, 1_400);
         // A complete answer at 400 learnt when its stream ends at 450: the same pull, and the
         // release, in one write.
         let s3 = MemoryStore::default();
-        let first = t.route(&s3, 0, 0, 1_000).expect("routed");
-        t.route(&s3, 0, 0, 1_000).expect("routed");
+        let first = t.route(&s3, 0, 0, 1_000, 0).expect("routed");
+        t.route(&s3, 0, 0, 1_000, 0).expect("routed");
         assert!(t.finish(&s3, 0, 450, None, Some((400, first))));
         let l = t.read(&s3, 1)[0];
         assert_eq!((l.inflight, l.queue_until_us), (1, 1_400));
@@ -301,19 +337,45 @@ mod tests {
     fn a_reset_before_prefill_takes_its_share_out_and_counts_never_go_negative() {
         let s = MemoryStore::default();
         let t = LoadTable::new("load".into());
-        let a = t.route(&s, 0, 0, 1_000).expect("routed");
-        let b = t.route(&s, 0, 0, 1_000).expect("routed");
+        let a = t.route(&s, 0, 0, 1_000, 0).expect("routed");
+        let b = t.route(&s, 0, 0, 1_000, 0).expect("routed");
         // The second request is reset at 500 while it waited: its 1_000 leave the queue.
         assert!(t.finish(&s, 0, 500, Some((a, b)), None));
         let l = t.read(&s, 1)[0];
         assert_eq!((l.inflight, l.queue_until_us), (1, 1_000));
         // One reset after its estimated end takes nothing (it had been prefilled).
-        let c = t.route(&s, 0, 600, 100).expect("routed");
+        let c = t.route(&s, 0, 600, 100, 0).expect("routed");
         assert!(t.finish(&s, 0, 2_000, Some((c - 100, c)), None));
         assert_eq!(t.read(&s, 1)[0].queue_until_us, 1_100);
         assert!(t.finish(&s, 0, 600, None, None));
         assert!(t.finish(&s, 0, 600, None, None));
         assert_eq!(t.read(&s, 1)[0].inflight, 0);
         assert!(t.cap_inflight(&s, 0, 0));
+    }
+
+    #[test]
+    fn routed_blocks_wait_for_their_engine_to_store_them() {
+        let s = MemoryStore::default();
+        let t = LoadTable::new("load".into());
+        let route = |now, prefill, blocks| {
+            let snap = t.snapshot(&s, 1);
+            t.route_after(&s, &snap, 0, now, prefill, blocks)
+                .expect("routed")
+        };
+        let pending = || t.read(&s, 1)[0].pending_blocks;
+        route(0, 1_000, 40);
+        route(0, 1_000, 25);
+        assert_eq!(pending(), 65);
+        assert!(t.stored(&s, 0, 30));
+        assert_eq!(pending(), 35, "the engine admitted the first");
+        assert!(t.stored(&s, 0, 100));
+        assert_eq!(pending(), 0, "never below zero");
+        // Blocks the engine found cached are never stored: the count keeps them until the
+        // queue has drained, when everything routed before has been admitted.
+        route(5_000, 1_000, 10);
+        route(5_100, 1_000, 10);
+        assert_eq!(pending(), 20);
+        route(10_000, 1_000, 7);
+        assert_eq!(pending(), 7);
     }
 }

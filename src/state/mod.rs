@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | `<ns>.members` | worker slots: name, address, active ([`workers`]) | the state writer | every VM, when its version moves |
 //! | `<ns>.live` | per slot: allocation clock, capacity, health, engine metrics, footprint ([`workers`]) | the state writer | every request |
-//! | `<ns>.load` | per slot: requests in flight, prefill queue clock ([`load`]) | every VM, CAS | every request |
+//! | `<ns>.load` | per slot: requests in flight, prefill queue clock, new blocks not yet stored ([`load`]) | every VM, CAS | every request |
 //! | `<ns>.b.<i>` | block buckets: router block key → holders ([`blocks`]) | the state writer | O(log n) per request ([`lookup`]) |
 //! | `<ns>.i.<i>` | image buckets: image key → holders with resident block counts ([`images`]) | the state writer (precise mode) | per image in the matched prefix |
 //! | `<ns>.u.<i>` | URL cache: image URL → content id and size, a failure, or an in-flight marker ([`urls`]) | every VM, CAS (filters with `fetch` on) | per fetchable image URL |

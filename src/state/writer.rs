@@ -671,7 +671,7 @@ mod tests {
         // The router thinks 5 requests are in flight; the engine runs 1, three polls in a row.
         let load = LoadTable::new(keys.load());
         for _ in 0..5 {
-            load.route(&store, 0, 0, 0);
+            load.route(&store, 0, 0, 0, 0);
         }
         for t in 0..3 {
             record_poll(

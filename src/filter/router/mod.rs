@@ -216,10 +216,10 @@ impl Router {
         let estimate = choice.estimate();
         let matched = prefix.depth(slot).min(keys.len());
         let prefill_us = (estimate.prefill_s * 1e6) as u64;
+        let new_blocks = (keys.len() - matched) as u32;
         let end = self
             .load
-            .route_after(store, &snapshot, slot, now_us, prefill_us);
-        let new_blocks = (keys.len() - matched) as u32;
+            .route_after(store, &snapshot, slot, now_us, prefill_us, new_blocks);
         // The stamp of the request's first key: the worker's clock once it has allocated the
         // request's new blocks (key `i` gets this minus `i`). In precise mode the engine's
         // `BlockStored` events move the clock by them only after routing, and the request's
@@ -378,7 +378,7 @@ impl Router {
         let snapshot = self.load.snapshot(store, live.slots.len());
         let slot = least_loaded(&eligible, &snapshot.loads, now_us, random)?;
         let target = self.target(slot)?;
-        let end = self.load.route_after(store, &snapshot, slot, now_us, 0);
+        let end = self.load.route_after(store, &snapshot, slot, now_us, 0, 0);
         Some(Decision {
             target,
             alternates: Vec::new(),

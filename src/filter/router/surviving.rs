@@ -45,8 +45,16 @@ impl Router {
             } else {
                 unknown_tps
             };
-            let queued_s = loads.get(s).map_or(0, |x| x.queued_us(now_us)) as f64 / 1e6;
-            let ahead = queued_s * speed / block / f64::from(l.capacity.max(1));
+            let load = loads.get(s).copied().unwrap_or_default();
+            let queued_s = load.queued_us(now_us) as f64 / 1e6;
+            let mut ahead_blocks = queued_s * speed / block;
+            if self.config.router.scoring.admission_pending {
+                // The requests admitted and still in prefill are on the queue clock but have
+                // allocated their blocks already: what is left to allocate is at most what
+                // the engine has not stored yet.
+                ahead_blocks = ahead_blocks.min(f64::from(load.pending_blocks));
+            }
+            let ahead = ahead_blocks / f64::from(l.capacity.max(1));
             let first_age = prefix
                 .first_stamps
                 .get(s)

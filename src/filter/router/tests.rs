@@ -129,7 +129,7 @@ fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute(
     // Its worker has a little prefill queued: it still wins.
     let load = LoadTable::new(r.keys().load());
     let full_s = first.estimate.prefill_s;
-    load.route(&store, home, 1_000_000, (full_s * 0.5 * 1e6) as u64);
+    load.route(&store, home, 1_000_000, (full_s * 0.5 * 1e6) as u64, 0);
     let again = route(&mut r, &store, &b, 1000, 0);
     assert_eq!(again.target.slot, home, "wait {:?}", again.estimate);
     assert!(again.estimate.wait_s > 0.0);
@@ -137,7 +137,7 @@ fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute(
     // Its queue now holds six times the prompt's prefill: more than the recompute weighed
     // for the two requests in flight there (one per worker on average: twice, plus the
     // request's own time). Moving is cheaper.
-    load.route(&store, home, 2_000_000, (full_s * 6.0 * 1e6) as u64);
+    load.route(&store, home, 2_000_000, (full_s * 6.0 * 1e6) as u64, 0);
     let moved = route(&mut r, &store, &b, 2000, 0);
     assert_ne!(moved.target.slot, home);
     let (name, matched, alt) = moved
@@ -469,7 +469,7 @@ fn a_group_whose_home_carries_far_more_than_the_mean_moves_to_the_idler_worker()
         }
         store.set(&key, &homes.encode(), None).expect("store");
         let load = LoadTable::new(r.keys().load());
-        load.route(&store, a, 10_000, 2_000_000);
+        load.route(&store, a, 10_000, 2_000_000, 0);
         let b = with_system(&systems[small], &png(200, 600), "Describe this image.");
         let d = route(&mut r, &store, &b, 10, 7);
         let (bytes, _) = store.get(&key).expect("store").expect("homes");
