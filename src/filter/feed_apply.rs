@@ -70,12 +70,12 @@ impl FeedState {
         let mut next_totals = HashMap::new();
         let load = LoadTable::new(keys.load());
         let loads = load.read(store, members.slots.len());
-        let mut reconcile = Vec::new();
-        let mut stored_blocks = Vec::new();
+        // Per slot: blocks its engine stored since the last feed, and the request count to
+        // cap its in-flight count at (reconciliation).
+        let mut reports: HashMap<usize, (u64, Option<u32>)> = HashMap::new();
         update_live(store, keys, now_ms, |table| {
             next_totals.clear();
-            reconcile.clear();
-            stored_blocks.clear();
+            reports.clear();
             for w in &f.workers {
                 let Some(slot) = members.slot_of(&w.name) else {
                     continue;
@@ -110,7 +110,7 @@ impl FeedState {
                     let engine = engine_requests(f64::from(w.running), f64::from(w.waiting));
                     let inflight = loads.get(slot).map_or(0, |l| l.inflight);
                     if over_engine(l, inflight, engine) {
-                        reconcile.push((slot, engine));
+                        reports.entry(slot).or_default().1 = Some(engine);
                     }
                 }
                 if w.events_connected {
@@ -123,7 +123,7 @@ impl FeedState {
                         let blocks = (w.stored_total - stored) * engine_bs / router_bs;
                         l.clock = l.clock.wrapping_add(blocks);
                         if blocks > 0 {
-                            stored_blocks.push((slot, blocks));
+                            reports.entry(slot).or_default().0 = blocks;
                         }
                     }
                     if w.cleared_total > cleared {
@@ -136,11 +136,8 @@ impl FeedState {
         });
         totals.clear();
         self.totals = next_totals;
-        for (slot, engine) in reconcile {
-            load.cap_inflight(store, slot, engine);
-        }
-        for (slot, blocks) in stored_blocks {
-            load.stored(store, slot, blocks);
+        for (slot, (blocks, running)) in reports {
+            load.engine_report(store, slot, blocks, running);
         }
         let live = read_live(store, keys);
         let updates: Vec<(usize, u64, u32)> = f

@@ -252,11 +252,22 @@ impl LoadTable {
         })
     }
 
-    /// `slot`'s engine stored `blocks` blocks: they leave the blocks not yet stored.
-    pub fn stored(&self, store: &dyn SharedStore, slot: usize, blocks: u64) -> bool {
+    /// What `slot`'s engine reported, in one write: it stored `blocks` blocks (they leave the
+    /// blocks not yet stored) and, with `running`, it has at most that many requests
+    /// ([`LoadTable::cap_inflight`]).
+    pub fn engine_report(
+        &self,
+        store: &dyn SharedStore,
+        slot: usize,
+        blocks: u64,
+        running: Option<u32>,
+    ) -> bool {
         let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
         self.update(store, slot, |l| {
-            l.pending_blocks = l.pending_blocks.saturating_sub(blocks)
+            l.pending_blocks = l.pending_blocks.saturating_sub(blocks);
+            if let Some(count) = running {
+                l.inflight = l.inflight.min(count);
+            }
         })
     }
 
@@ -366,10 +377,12 @@ mod tests {
         route(0, 1_000, 40);
         route(0, 1_000, 25);
         assert_eq!(pending(), 65);
-        assert!(t.stored(&s, 0, 30));
+        assert!(t.engine_report(&s, 0, 30, None));
         assert_eq!(pending(), 35, "the engine admitted the first");
-        assert!(t.stored(&s, 0, 100));
+        // The same report caps the in-flight count (reconciliation): one write.
+        assert!(t.engine_report(&s, 0, 100, Some(1)));
         assert_eq!(pending(), 0, "never below zero");
+        assert_eq!(t.read(&s, 1)[0].inflight, 1);
         // Blocks the engine found cached are never stored: the count keeps them until the
         // queue has drained, when everything routed before has been admitted.
         route(5_000, 1_000, 10);
