@@ -32,8 +32,9 @@
 //! counts the new blocks routed to it that its engine has not stored yet: routing adds the
 //! request's new blocks, the engine's stored blocks (from the sidecar's feed) take them off.
 //! Where that count is smaller than the queue clock's prefill in blocks, the admission cut
-//! uses it (`scoring.admission_pending`). Blocks a request's engine stored as hits or never
-//! stored (a request dropped before admission) leave the count with the engine's next stores.
+//! uses it (`scoring.admission_pending`). Blocks the engine never stores (it found them
+//! cached after all, or dropped the request before admitting it) leave the count with the
+//! engine's next stores, or when a request is routed after the queue clock has drained.
 //!
 //! ## In-flight counts
 //! Released on completion, reset and stream error (`on_log`). A VM that traps loses its
