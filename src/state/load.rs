@@ -189,8 +189,7 @@ impl LoadTable {
         {
             return end.get();
         }
-        let ok = self.update(store, slot, apply);
-        if ok { end.get() } else { None }
+        self.route(store, slot, now_us, prefill_us, new_blocks)
     }
 
     /// A request was routed to `slot` at `now_us` with `prefill_us` of prefill to do and
@@ -274,7 +273,7 @@ impl LoadTable {
 
     /// Sets `slot`'s in-flight count to at most `count` (reconciliation with the engine).
     pub fn cap_inflight(&self, store: &dyn SharedStore, slot: usize, count: u32) -> bool {
-        self.update(store, slot, |l| l.inflight = l.inflight.min(count))
+        self.engine_report(store, slot, 0, Some(count))
     }
 
     /// Zeroes a slot (a worker joined a freed slot).
