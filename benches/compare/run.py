@@ -245,7 +245,8 @@ def main(argv):
     for spec in a.router_config:
         label, _, path = spec.partition("=")
         variants[f"mmrouter-{label}"] = json.loads(Path(path).read_text())
-    systems += list(variants)
+    # A variant also named in --systems runs once.
+    systems += [v for v in variants if v not in systems]
     for s in systems:
         if s not in replay.ROUTERS and s != "bound" and s not in variants:
             sys.exit(f"unknown system {s}")
