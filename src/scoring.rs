@@ -122,6 +122,21 @@
 //! by default) a new group's home is the worker with the fewest groups among those whose
 //! homed traffic is within its noise of the least ([`crate::state::homes::Placement`]).
 //!
+//! ## Conversations
+//! With `conversation_hold` (2 by default; 0 is off), a follow-up turn (a request that
+//! continues a conversation beyond its preamble) goes back to the worker that held its whole
+//! conversation (every block before its last `assistant` message) before the admission cut,
+//! instead of the cost's choice, while that worker carries, with this request, at most
+//! `conversation_hold` times the load bound above ([`conversation_load`]). The cost weighs
+//! the history that will still be cached at admission; under cache pressure that forecast
+//! often says the queue ahead will evict the history, and the follow-up then leaves for an
+//! idle worker, where it finds nothing. In `tight-256` with 4 workers the cost alone moved 7-9
+//! follow-ups per run and lost to SGLang's router, which never moves one (docs/ROUTING.md,
+//! "Conversations go back to their worker", has the measurements). With up to 4 workers a
+//! worker carrying all of the fleet's requests stays within twice the bound; with 8, a
+//! conversation's worker carries at most about half of them. The hold comes after the home's:
+//! a follow-up's history outweighs its group's preamble.
+//!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the
 //! best are ties: the tied worker with the longest match wins (a second copy of a prefix for
@@ -239,6 +254,10 @@ pub struct ScoringConfig {
     /// difference; see [`crate::state::homes::Homes::rebalance`]). Default 0: homes never
     /// move (1.25 was measured: docs/ROUTING.md, "Homes for groups").
     pub home_rebalance_above: f64,
+    /// A follow-up turn goes back to the worker that held its whole conversation before the
+    /// admission cut while that worker carries at most this many times the home load bound
+    /// (default 2; 0 = off: the cost alone decides; see "Conversations" above).
+    pub conversation_hold: f64,
 }
 
 impl Default for ScoringConfig {
@@ -264,6 +283,7 @@ impl Default for ScoringConfig {
             home_fewest_groups: false,
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
+            conversation_hold: 2.0,
         }
     }
 }
@@ -285,6 +305,7 @@ impl ScoringConfig {
             ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
             ("home_rebalance_above", self.home_rebalance_above),
+            ("conversation_hold", self.conversation_hold),
         ] {
             if !value.is_finite() || value < 0.0 {
                 return Err(ConfigError::new(
@@ -455,6 +476,20 @@ pub fn home_load(
     home: &Candidate,
     config: &ScoringConfig,
 ) -> (f64, f64) {
+    let (carries, bound) = load_bound(candidates, home, config);
+    if carries <= bound || !home_holds_its_footprint(choice, home, config) {
+        return (carries, bound);
+    }
+    (
+        carries,
+        (bound * config.home_fit_load_factor.max(1.0)).floor(),
+    )
+}
+
+/// The requests candidate `c` would carry with this one, and the load bound of consistent
+/// hashing with bounded loads: `ceil((1 + home_load_slack) × mean)` requests in flight per
+/// candidate, this one included, or `home_load_floor` where that is more.
+fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> (f64, f64) {
     let total: f64 = candidates
         .iter()
         .map(|c| f64::from(c.inflight))
@@ -464,14 +499,22 @@ pub fn home_load(
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));
-    let carries = f64::from(home.inflight) + 1.0;
-    if carries <= bound || !home_holds_its_footprint(choice, home, config) {
-        return (carries, bound);
-    }
-    (
-        carries,
-        (bound * config.home_fit_load_factor.max(1.0)).floor(),
-    )
+    (f64::from(c.inflight) + 1.0, bound)
+}
+
+/// What candidate `at`, the worker that held a follow-up's whole conversation before the
+/// admission cut, would carry with the request, and the most it may carry for the request to
+/// go back there (see "Conversations" above): `conversation_hold` times the load bound.
+pub fn conversation_load(
+    candidates: &[Candidate],
+    at: usize,
+    config: &ScoringConfig,
+) -> (f64, f64) {
+    let Some(c) = candidates.get(at) else {
+        return (f64::INFINITY, 0.0);
+    };
+    let (carries, bound) = load_bound(candidates, c, config);
+    (carries, (bound * config.conversation_hold.max(0.0)).floor())
 }
 
 /// Whether a home's cache still holds what it took recently: its footprint plus the

@@ -2,7 +2,8 @@
 
 use mmrouter::config::RouterConfig;
 use mmrouter::scoring::{
-    Candidate, RequestSize, ScoringConfig, choose, goes_home, home_wait_pays_for_preamble,
+    Candidate, RequestSize, ScoringConfig, choose, conversation_load, goes_home,
+    home_wait_pays_for_preamble,
 };
 
 const SPEED: f64 = 8000.0;
@@ -66,6 +67,8 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_fit_max_traffic, 0.5);
     assert!(!c.home_fewest_groups);
     assert_eq!(c.home_share_min_requests, 4.0);
+    assert_eq!(c.home_rebalance_above, 0.0);
+    assert_eq!(c.conversation_hold, 2.0);
     assert!(c.validate().is_ok());
 }
 
@@ -276,11 +279,50 @@ fn validation_names_bad_values() {
             r#"{"scoring":{"home_fit_max_traffic":1.5}}"#,
             "scoring.home_fit_max_traffic",
         ),
+        (
+            r#"{"scoring":{"conversation_hold":-1}}"#,
+            "scoring.conversation_hold",
+        ),
         (r#"{"scoring":{"inflight_weight":4}}"#, "inflight_weight"),
     ] {
         let e = RouterConfig::from_json(json.as_bytes()).expect_err(json);
         assert_eq!(e.field, field, "{json}: {e}");
     }
+}
+
+#[test]
+fn a_conversations_worker_may_carry_the_hold_times_the_load_bound() {
+    let loaded = |inflight: &[u32]| -> Vec<Candidate> {
+        inflight
+            .iter()
+            .map(|&n| Candidate {
+                inflight: n,
+                ..worker(0, 0.0)
+            })
+            .collect()
+    };
+    // 8 workers, 3 in flight on the conversation's: 4 with this one; the mean is 4/8, the
+    // bound the floor of 2, twice that is 4.
+    let ws = loaded(&[3, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(conversation_load(&ws, 0, &config()), (4.0, 4.0));
+    let ws = loaded(&[4, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(conversation_load(&ws, 0, &config()), (5.0, 4.0));
+    // Busier elsewhere: 20 in flight, 21 with this one, mean 21/8 → bound ceil(5.25) = 6.
+    let ws = loaded(&[4, 3, 3, 2, 2, 2, 2, 2]);
+    assert_eq!(conversation_load(&ws, 0, &config()), (5.0, 12.0));
+    // The hold's factor scales the limit; 0 turns it off; a missing candidate never holds.
+    let one = ScoringConfig {
+        conversation_hold: 1.0,
+        ..config()
+    };
+    assert_eq!(conversation_load(&ws, 0, &one).1, 6.0);
+    let off = ScoringConfig {
+        conversation_hold: 0.0,
+        ..config()
+    };
+    assert_eq!(conversation_load(&ws, 0, &off).1, 0.0);
+    let (carries, limit) = conversation_load(&ws, 8, &config());
+    assert!(carries > limit);
 }
 
 #[test]

@@ -103,11 +103,29 @@ pub struct Decision {
     /// The group's home when the request was not held to it (its name and why): the
     /// preamble was recomputed on the chosen worker.
     pub home_let_go: Option<(String, LetGo)>,
+    /// A follow-up whose whole conversation a worker other than the cost's choice held before
+    /// the admission cut: sent back there, or not and why (`scoring.conversation_hold`).
+    pub conversation: Option<Conversation>,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,
     /// What the engine frees when the request ends, for [`super::Router::released`] (None for a
     /// fallback).
     pub held: Option<Held>,
+}
+
+/// What `scoring.conversation_hold` did with a follow-up whose conversation another worker
+/// than the cost's choice held.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Conversation {
+    /// Sent back to this worker against the cost.
+    Held(String),
+    /// Not sent back to this worker: it carries `carries` requests in flight with this one,
+    /// past the hold's `limit`.
+    LetGo {
+        name: String,
+        carries: f64,
+        limit: f64,
+    },
 }
 
 /// The blocks a routed request holds on its worker until it ends.
@@ -184,6 +202,17 @@ impl Decision {
                         "; not its group's home {name}: {}",
                         why.describe()
                     ));
+                }
+                match &self.conversation {
+                    Some(Conversation::Held(_)) => line.push_str("; back to its conversation"),
+                    Some(Conversation::LetGo {
+                        name,
+                        carries,
+                        limit,
+                    }) => line.push_str(&format!(
+                        "; not back to its conversation on {name}: {carries} in flight there past {limit}"
+                    )),
+                    None => {}
                 }
                 if let Some((name, matched, alt)) = &self.passed_over {
                     line.push_str(&format!(

@@ -15,12 +15,13 @@ mod surviving;
 #[cfg(test)]
 mod tests;
 
-pub use decision::{Decision, Fallback, Held, LetGo, Target};
+pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Estimate, RequestSize, choose, pick_below, queued_blocks, splitmix64,
+    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
+    splitmix64,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -153,8 +154,10 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
-        // The worker holding the longest prefix before the admission cut, for the decision
-        // log.
+        // What each worker holds before the admission cut: the worker holding the longest
+        // prefix is named in the decision log, and a follow-up goes back to the worker that
+        // holds its conversation (`scoring.conversation_hold`).
+        let held_now = prefix.depths.clone();
         let mut longest_held = None;
         if live.precise && self.config.router.scoring.admission_match {
             longest_held = longest(&eligible, &prefix.depths);
@@ -207,6 +210,8 @@ impl Router {
         } else {
             HomeOutcome::Nothing
         };
+        let conversation =
+            self.back_to_conversation(analysis, &eligible, &held_now, &candidates, &mut choice);
         let home_let_go = match outcome {
             HomeOutcome::LetGo(slot, why) => self.target(slot).map(|t| (t.name, why)),
             _ => None,
@@ -304,7 +309,8 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            home: outcome == HomeOutcome::Held,
+            home: outcome == HomeOutcome::Held && !matches!(conversation, Some(Back::Held(_))),
+            conversation: conversation.and_then(|c| c.describe(|s| self.target(s))),
             home_let_go,
             recorded: end.is_some() && enqueued,
             held: live.get(slot).map(|l| Held {
@@ -314,6 +320,41 @@ impl Router {
                 new_blocks,
             }),
         })
+    }
+
+    /// `scoring.conversation_hold`: a follow-up turn (a request that continues a conversation
+    /// beyond its preamble) goes back to the worker that held its whole conversation before
+    /// the admission cut, while that worker's load is within the hold's bound. None where no
+    /// worker held it or it is the choice.
+    fn back_to_conversation(
+        &self,
+        analysis: &Analysis,
+        eligible: &[usize],
+        held_now: &[usize],
+        candidates: &[Candidate],
+        choice: &mut Choice,
+    ) -> Option<Back> {
+        let scoring = &self.config.router.scoring;
+        let continued = analysis.layout.continued_blocks;
+        if scoring.conversation_hold <= 0.0 || continued <= analysis.layout.preamble_blocks {
+            return None;
+        }
+        let at = conversation_worker(eligible, held_now, continued)?;
+        if at == choice.index {
+            return None;
+        }
+        let slot = *eligible.get(at)?;
+        let (carries, limit) = conversation_load(candidates, at, scoring);
+        if carries <= limit {
+            choice.prefer(at);
+            Some(Back::Held(slot))
+        } else {
+            Some(Back::LetGo {
+                slot,
+                carries,
+                limit,
+            })
+        }
     }
 
     /// Records the request's last block key for `slot` now, with the stamp the state writer
@@ -395,6 +436,7 @@ impl Router {
             fallback: Some(why),
             home: false,
             home_let_go: None,
+            conversation: None,
             recorded: end.is_some(),
             held: None,
         })
@@ -412,6 +454,50 @@ fn mean_known_speed(live: &LiveTable, eligible: &[usize]) -> Option<f64> {
             (sum + f64::from(l.prefill_tps), n + 1)
         });
     (n > 0).then(|| sum / f64::from(n))
+}
+
+/// The candidate (index into `eligible`) that holds a conversation of `continued` blocks in
+/// full, the longest such match, the first of equals.
+fn conversation_worker(eligible: &[usize], held: &[usize], continued: usize) -> Option<usize> {
+    eligible
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &s)| Some((i, *held.get(s)?)))
+        .filter(|&(_, d)| d >= continued)
+        .fold(None, |best, (i, d)| match best {
+            Some((_, b)) if b >= d => best,
+            _ => Some((i, d)),
+        })
+        .map(|(i, _)| i)
+}
+
+/// What [`Router::back_to_conversation`] did with a follow-up whose conversation another
+/// worker than the cost's choice held (a slot).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Back {
+    Held(usize),
+    LetGo {
+        slot: usize,
+        carries: f64,
+        limit: f64,
+    },
+}
+
+impl Back {
+    fn describe(self, target: impl Fn(usize) -> Option<Target>) -> Option<Conversation> {
+        Some(match self {
+            Back::Held(slot) => Conversation::Held(target(slot)?.name),
+            Back::LetGo {
+                slot,
+                carries,
+                limit,
+            } => Conversation::LetGo {
+                name: target(slot)?.name,
+                carries,
+                limit,
+            },
+        })
+    }
 }
 
 /// The eligible slot holding the longest prefix (the first of equals), and its length.

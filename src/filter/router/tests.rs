@@ -167,6 +167,98 @@ fn a_conversation_stays_on_its_kv_unless_the_wait_costs_more_than_the_recompute(
     );
 }
 
+/// A second turn of the conversation `with_system(system, image, question)` started.
+fn second_turn(system: &str, image: &[u8], question: &str) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(image);
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{question}"}}]}},{{"role":"assistant","content":"A harbour at dusk, with three boats."}},{{"role":"user","content":"And the boats?"}}]}}"#
+    )
+    .into_bytes()
+}
+
+/// A conversation's second turn on 8 workers, its first turn's worker with `in_flight`
+/// requests on it and six times the turn's prefill queued: the second turn's decision, and
+/// the first turn's worker.
+fn follow_up_behind_a_queue(conversation_hold: f64, in_flight: u32) -> (Decision, usize) {
+    let store = MemoryStore::default();
+    let mut c = config(8);
+    c.router.scoring.conversation_hold = conversation_hold;
+    // Not its group's home either (that hold is tested on its own).
+    c.router.scoring.home_hold = false;
+    let mut r = start(&store, c);
+    let system = "You look at pictures. ".repeat(10);
+    let image = png(1280, 960);
+    let first = route(
+        &mut r,
+        &store,
+        &with_system(&system, &image, "What is this?"),
+        0,
+        0,
+    );
+    assert!(r.finished(&store, &first, 10_000, true));
+    apply(&store, &r, 10);
+    let home = first.target.slot;
+    let load = LoadTable::new(r.keys().load());
+    let queued_us = (first.estimate.prefill_s * 6.0 * 1e6) as u64;
+    for i in 0..in_flight {
+        let prefill_us = if i == 0 { queued_us } else { 0 };
+        load.route(&store, home, 1_000_000, prefill_us, 0);
+    }
+    let next = second_turn(&system, &image, "What is this?");
+    (route(&mut r, &store, &next, 1000, 0), home)
+}
+
+#[test]
+fn a_follow_up_goes_back_to_its_conversation_within_the_holds_bound() {
+    // The cost alone: the queue on the conversation's worker costs more than recomputing the
+    // history elsewhere, and the turn moves.
+    let (moved, home) = follow_up_behind_a_queue(0.0, 1);
+    assert_ne!(moved.target.slot, home);
+    assert_eq!(moved.conversation, None);
+    assert!(
+        moved
+            .log_line()
+            .contains(&format!("; passed over w{home} with ")),
+        "{}",
+        moved.log_line()
+    );
+    // With the hold (the default 2), it goes back: 2 in flight there with it, within twice
+    // the bound of 2.
+    assert_eq!(
+        crate::scoring::ScoringConfig::default().conversation_hold,
+        2.0
+    );
+    let (back, home) = follow_up_behind_a_queue(2.0, 1);
+    assert_eq!(back.target.slot, home);
+    assert!(back.matched_blocks > moved.matched_blocks);
+    assert!(back.matched_blocks < back.total_blocks);
+    assert!(matches!(&back.conversation, Some(Conversation::Held(n)) if *n == format!("w{home}")));
+    assert!(!back.home);
+    assert!(
+        back.log_line().contains("; back to its conversation"),
+        "{}",
+        back.log_line()
+    );
+    // 4 in flight there: 5 with it, past twice the bound (ceil(2 × 5 / 8) = 2, the floor).
+    let (away, home) = follow_up_behind_a_queue(2.0, 4);
+    assert_ne!(away.target.slot, home);
+    assert_eq!(
+        away.conversation,
+        Some(Conversation::LetGo {
+            name: format!("w{home}"),
+            carries: 5.0,
+            limit: 4.0
+        })
+    );
+    assert!(
+        away.log_line().contains(&format!(
+            "; not back to its conversation on w{home}: 5 in flight there past 4"
+        )),
+        "{}",
+        away.log_line()
+    );
+}
+
 #[test]
 fn distinct_images_behind_a_shared_prefix_spread_over_idle_workers() {
     let store = MemoryStore::default();
