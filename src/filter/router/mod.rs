@@ -20,8 +20,8 @@ pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
-    splitmix64,
+    Candidate, Choice, Estimate, RequestSize, ScoringConfig, choose, conversation_load, pick_below,
+    queued_blocks, splitmix64,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -154,10 +154,10 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
-        // What each worker holds before the admission cut: the worker holding the longest
-        // prefix is named in the decision log, and a follow-up goes back to the worker that
-        // holds its conversation (`scoring.conversation_hold`).
-        let held_now = prefix.depths.clone();
+        // Before the admission cut: the worker that holds a follow-up's whole conversation
+        // (`scoring.conversation_hold`), and the one holding the longest prefix, for the
+        // decision log.
+        let conversation_at = self.conversation_worker(analysis, &eligible, &prefix.depths);
         let mut longest_held = None;
         if live.precise && self.config.router.scoring.admission_match {
             longest_held = longest(&eligible, &prefix.depths);
@@ -210,8 +210,13 @@ impl Router {
         } else {
             HomeOutcome::Nothing
         };
-        let conversation =
-            self.back_to_conversation(analysis, &eligible, &held_now, &candidates, &mut choice);
+        let conversation = back_to_conversation(
+            conversation_at,
+            &eligible,
+            &candidates,
+            &mut choice,
+            &self.config.router.scoring,
+        );
         let home_let_go = match outcome {
             HomeOutcome::LetGo(slot, why) => self.target(slot).map(|t| (t.name, why)),
             _ => None,
@@ -322,39 +327,31 @@ impl Router {
         })
     }
 
-    /// `scoring.conversation_hold`: a follow-up turn (a request that continues a conversation
-    /// beyond its preamble) goes back to the worker that held its whole conversation before
-    /// the admission cut, while that worker's load is within the hold's bound. None where no
-    /// worker held it or it is the choice.
-    fn back_to_conversation(
+    /// `scoring.conversation_hold`: for a follow-up turn (a request that continues a
+    /// conversation beyond its preamble), the candidate (index into `eligible`) that holds its
+    /// whole conversation in `depths`, the longest such match, the first of equals.
+    fn conversation_worker(
         &self,
         analysis: &Analysis,
         eligible: &[usize],
-        held_now: &[usize],
-        candidates: &[Candidate],
-        choice: &mut Choice,
-    ) -> Option<Back> {
-        let scoring = &self.config.router.scoring;
+        depths: &[usize],
+    ) -> Option<usize> {
         let continued = analysis.layout.continued_blocks;
-        if scoring.conversation_hold <= 0.0 || continued <= analysis.layout.preamble_blocks {
+        if self.config.router.scoring.conversation_hold <= 0.0
+            || continued <= analysis.layout.preamble_blocks
+        {
             return None;
         }
-        let at = conversation_worker(eligible, held_now, continued)?;
-        if at == choice.index {
-            return None;
-        }
-        let slot = *eligible.get(at)?;
-        let (carries, limit) = conversation_load(candidates, at, scoring);
-        if carries <= limit {
-            choice.prefer(at);
-            Some(Back::Held(slot))
-        } else {
-            Some(Back::LetGo {
-                slot,
-                carries,
-                limit,
+        eligible
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &s)| Some((i, *depths.get(s)?)))
+            .filter(|&(_, d)| d >= continued)
+            .fold(None, |best, (i, d)| match best {
+                Some((_, b)) if b >= d => best,
+                _ => Some((i, d)),
             })
-        }
+            .map(|(i, _)| i)
     }
 
     /// Records the request's last block key for `slot` now, with the stamp the state writer
@@ -456,22 +453,32 @@ fn mean_known_speed(live: &LiveTable, eligible: &[usize]) -> Option<f64> {
     (n > 0).then(|| sum / f64::from(n))
 }
 
-/// The candidate (index into `eligible`) that holds a conversation of `continued` blocks in
-/// full, the longest such match, the first of equals.
-fn conversation_worker(eligible: &[usize], held: &[usize], continued: usize) -> Option<usize> {
-    eligible
-        .iter()
-        .enumerate()
-        .filter_map(|(i, &s)| Some((i, *held.get(s)?)))
-        .filter(|&(_, d)| d >= continued)
-        .fold(None, |best, (i, d)| match best {
-            Some((_, b)) if b >= d => best,
-            _ => Some((i, d)),
+/// `scoring.conversation_hold`: a follow-up goes back to candidate `at`, the worker that held
+/// its whole conversation before the admission cut, while that worker's load is within the
+/// hold's bound. None where no worker held it or it is the choice.
+fn back_to_conversation(
+    at: Option<usize>,
+    eligible: &[usize],
+    candidates: &[Candidate],
+    choice: &mut Choice,
+    scoring: &ScoringConfig,
+) -> Option<Back> {
+    let at = at.filter(|&at| at != choice.index)?;
+    let slot = *eligible.get(at)?;
+    let (carries, limit) = conversation_load(candidates, at, scoring);
+    if carries <= limit {
+        choice.prefer(at);
+        Some(Back::Held(slot))
+    } else {
+        Some(Back::LetGo {
+            slot,
+            carries,
+            limit,
         })
-        .map(|(i, _)| i)
+    }
 }
 
-/// What [`Router::back_to_conversation`] did with a follow-up whose conversation another
+/// What [`back_to_conversation`] did with a follow-up whose conversation another
 /// worker than the cost's choice held (a slot).
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Back {
