@@ -20,8 +20,8 @@ pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Choice, Estimate, RequestSize, ScoringConfig, choose, conversation_load, pick_below,
-    queued_blocks, splitmix64,
+    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
+    splitmix64,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -210,13 +210,8 @@ impl Router {
         } else {
             HomeOutcome::Nothing
         };
-        let conversation = back_to_conversation(
-            conversation_at,
-            &eligible,
-            &candidates,
-            &mut choice,
-            &self.config.router.scoring,
-        );
+        let conversation =
+            self.back_to_conversation(conversation_at, &eligible, &candidates, &mut choice);
         let home_let_go = match outcome {
             HomeOutcome::LetGo(slot, why) => self.target(slot).map(|t| (t.name, why)),
             _ => None,
@@ -314,8 +309,9 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            home: outcome == HomeOutcome::Held && !matches!(conversation, Some(Back::Held(_))),
-            conversation: conversation.and_then(|c| c.describe(|s| self.target(s))),
+            home: outcome == HomeOutcome::Held
+                && !matches!(conversation, Some(Conversation::Held(_))),
+            conversation,
             home_let_go,
             recorded: end.is_some() && enqueued,
             held: live.get(slot).map(|l| Held {
@@ -352,6 +348,31 @@ impl Router {
                 _ => Some((i, d)),
             })
             .map(|(i, _)| i)
+    }
+
+    /// `scoring.conversation_hold`: a follow-up goes back to candidate `at`, the worker that
+    /// held its whole conversation before the admission cut, while that worker's load is
+    /// within the hold's bound. None where no worker held it or it is the choice.
+    fn back_to_conversation(
+        &self,
+        at: Option<usize>,
+        eligible: &[usize],
+        candidates: &[Candidate],
+        choice: &mut Choice,
+    ) -> Option<Conversation> {
+        let at = at.filter(|&at| at != choice.index)?;
+        let name = self.target(*eligible.get(at)?)?.name;
+        let (carries, limit) = conversation_load(candidates, at, &self.config.router.scoring);
+        if carries <= limit {
+            choice.prefer(at);
+            Some(Conversation::Held(name))
+        } else {
+            Some(Conversation::LetGo {
+                name,
+                carries,
+                limit,
+            })
+        }
     }
 
     /// Records the request's last block key for `slot` now, with the stamp the state writer
@@ -451,60 +472,6 @@ fn mean_known_speed(live: &LiveTable, eligible: &[usize]) -> Option<f64> {
             (sum + f64::from(l.prefill_tps), n + 1)
         });
     (n > 0).then(|| sum / f64::from(n))
-}
-
-/// `scoring.conversation_hold`: a follow-up goes back to candidate `at`, the worker that held
-/// its whole conversation before the admission cut, while that worker's load is within the
-/// hold's bound. None where no worker held it or it is the choice.
-fn back_to_conversation(
-    at: Option<usize>,
-    eligible: &[usize],
-    candidates: &[Candidate],
-    choice: &mut Choice,
-    scoring: &ScoringConfig,
-) -> Option<Back> {
-    let at = at.filter(|&at| at != choice.index)?;
-    let slot = *eligible.get(at)?;
-    let (carries, limit) = conversation_load(candidates, at, scoring);
-    if carries <= limit {
-        choice.prefer(at);
-        Some(Back::Held(slot))
-    } else {
-        Some(Back::LetGo {
-            slot,
-            carries,
-            limit,
-        })
-    }
-}
-
-/// What [`back_to_conversation`] did with a follow-up whose conversation another
-/// worker than the cost's choice held (a slot).
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Back {
-    Held(usize),
-    LetGo {
-        slot: usize,
-        carries: f64,
-        limit: f64,
-    },
-}
-
-impl Back {
-    fn describe(self, target: impl Fn(usize) -> Option<Target>) -> Option<Conversation> {
-        Some(match self {
-            Back::Held(slot) => Conversation::Held(target(slot)?.name),
-            Back::LetGo {
-                slot,
-                carries,
-                limit,
-            } => Conversation::LetGo {
-                name: target(slot)?.name,
-                carries,
-                limit,
-            },
-        })
-    }
 }
 
 /// The eligible slot holding the longest prefix (the first of equals), and its length.
