@@ -1,12 +1,14 @@
 // Browser test of the demo page: Debian chromium (driven by playwright-core) loads web/, is
 // given a real PNG and a real JPEG from tests/fixtures/images/, and what the page shows
 // (identities, token counts, block layout, shared prefix) must equal what the native
-// `mmrouter inspect` prints for the same bytes. Saves docs/web-demo.png.
+// `mmrouter inspect` prints for the same bytes. Saves a screenshot of the page.
 //
 // Needs web/pkg (scripts/build-web) and /usr/bin/chromium; run through scripts/test-web.
 // Environment: CARGO (default `cargo`), CARGO_TARGET_DIR (honoured by cargo),
 // MMROUTER_CHROMIUM (default /usr/bin/chromium), MMROUTER_SCREENSHOT (default
-// docs/web-demo.png; empty to skip).
+// $CARGO_TARGET_DIR/web-demo.png, else target/web-demo.png, so that a test run never rewrites
+// a tracked file; MMROUTER_SCREENSHOT=docs/web-demo.png refreshes the documentation's copy;
+// empty to skip).
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { createServer } from 'node:http';
@@ -24,7 +26,8 @@ const FIXTURES = join(ROOT, 'tests', 'fixtures', 'images');
 const PNG = join(FIXTURES, 'png_rgb8_37x23.png');
 const JPEG = join(FIXTURES, 'jpeg_baseline_37x23.jpg');
 const CHROMIUM = process.env.MMROUTER_CHROMIUM || '/usr/bin/chromium';
-const SCREENSHOT = process.env.MMROUTER_SCREENSHOT ?? join(ROOT, 'docs', 'web-demo.png');
+const SCREENSHOT = process.env.MMROUTER_SCREENSHOT
+  ?? join(process.env.CARGO_TARGET_DIR || join(ROOT, 'target'), 'web-demo.png');
 const TYPES = {
   '.html': 'text/html; charset=utf-8', '.js': 'text/javascript', '.css': 'text/css',
   '.wasm': 'application/wasm', '.json': 'application/json', '.png': 'image/png',
