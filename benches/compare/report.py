@@ -4,8 +4,9 @@
     python3 benches/compare/report.py target/bench-compare      # rewrites report.md/.json/PNGs
 
 Reads DIR/results.json (one entry per run, written by run.py as it goes) and writes:
-- DIR/report.md: the table (per family x workers x system, mean over seeds) and one summary
-  line per family;
+- DIR/report.md: the table (per family x workers x system, mean over seeds; for mmrouter the
+  error of its cached-token prediction and of its time-to-first-token forecast, the wait plus
+  prefill it compared, against what was measured) and one summary line per family;
 - DIR/report.json: the same numbers;
 - DIR/hit-vs-cache.png, DIR/p99-vs-cache.png, DIR/hit-vs-workers.png, DIR/p99-vs-workers.png
   (matplotlib; skipped with a note when it is not installed).
@@ -48,6 +49,35 @@ def parse_overlap(value):
         return int(str(value).split("/", 1)[0])
     except ValueError:
         return None
+
+
+def parse_forecast(value):
+    """x-mmrouter-decision "wait_ms=W; prefill_ms=P; ..." -> the router's forecast of the time
+    to first token, W + P, in seconds of its (wall) clock; None when absent or unreadable."""
+    if not value:
+        return None
+    parts = dict(p.strip().split("=", 1) for p in str(value).split(";") if "=" in p)
+    try:
+        return (float(parts["wait_ms"]) + float(parts["prefill_ms"])) / 1000.0
+    except (KeyError, ValueError):
+        return None
+
+
+def ttft_forecast(ok, time_scale):
+    """The wait and prefill the router compared (x-mmrouter-decision) against each answered
+    request's measured time to first token: {"requests", "mae_ms", "bias_ms"} in emulated ms
+    (like the latencies), or None when no record carries a forecast."""
+    scale = time_scale if time_scale and time_scale > 0 else 1.0
+    errs = []
+    for r in ok:
+        f = parse_forecast(r.get("decision"))
+        if f is not None and r.get("ttft") is not None:
+            errs.append((f - r["ttft"]) / scale)
+    if not errs:
+        return None
+    return {"requests": len(errs),
+            "mae_ms": round(1000 * statistics.fmean(abs(e) for e in errs), 1),
+            "bias_ms": round(1000 * statistics.fmean(errs), 1)}
 
 
 def summarize(records, metrics, wall, expected, time_scale, block_size=16):
@@ -102,6 +132,9 @@ def summarize(records, metrics, wall, expected, time_scale, block_size=16):
             "mae_over_prompt": round(sum(abs(e) for e in errs) / max(1, prompt), 4),
             "exact": sum(1 for e in errs if e == 0),
         }
+    forecast = ttft_forecast(ok, time_scale)
+    if forecast:
+        s["ttft_forecast"] = forecast
     return s
 
 
@@ -153,6 +186,10 @@ def aggregate(runs):
             row["prediction_mae_tokens"] = round(_mean([p["mae_tokens"] for p in preds]), 1)
             row["prediction_bias_tokens"] = round(_mean([p["bias_tokens"] for p in preds]), 1)
             row["prediction_mae_over_prompt"] = r3(_mean([p["mae_over_prompt"] for p in preds]))
+        forecasts = [r["ttft_forecast"] for r in rs if r.get("ttft_forecast")]
+        if forecasts:
+            row["ttft_forecast_mae_ms"] = round(_mean([f["mae_ms"] for f in forecasts]), 1)
+            row["ttft_forecast_bias_ms"] = round(_mean([f["bias_ms"] for f in forecasts]), 1)
         if key[2] in SIMULATED:
             row["policies_won"] = sorted({r.get("policy") for r in rs})
         rows[key] = row
@@ -178,8 +215,9 @@ def f2(x, d=2, scale=1.0):
 
 def table(rows):
     out = ["| family | workers | system | hit rate [min, max] | TTFT p50 / p99 s | e2e p50 / p99 s "
-           "| requests per worker | follow-ups moved | errors | prediction MAE / bias (tokens) |",
-           "|---|---:|---|---|---|---|---|---:|---:|---|"]
+           "| requests per worker | follow-ups moved | errors | prediction MAE / bias (tokens) "
+           "| TTFT forecast MAE / bias (ms) |",
+           "|---|---:|---|---|---|---|---|---:|---:|---|---|"]
     for r in ordered(rows):
         hr = "-" if r["hit_rate"] is None else (
             f"{r['hit_rate']:.3f}" + (f" [{r['hit_rate_min']:.3f}, {r['hit_rate_max']:.3f}]"
@@ -194,9 +232,11 @@ def table(rows):
                  if r.get("followups_switched") and lat else "-")
         pred = (f"{r['prediction_mae_tokens']:.0f} / {r['prediction_bias_tokens']:+.0f}"
                 if "prediction_mae_tokens" in r else "-")
+        forecast = (f"{r['ttft_forecast_mae_ms']:.0f} / {r['ttft_forecast_bias_ms']:+.0f}"
+                    if "ttft_forecast_mae_ms" in r else "-")
         errors = str(r["errors"]) if r["system"] not in REFERENCES else "-"
         out.append(f"| {r['family']} | {r['workers']} | {r['system']} | {hr} | {ttft} | {e2e} | "
-                   f"{pw} | {moved} | {errors} | {pred} |")
+                   f"{pw} | {moved} | {errors} | {pred} | {forecast} |")
     return "\n".join(out)
 
 
@@ -323,10 +363,26 @@ def plots(rows, out_dir):
 
 # ----------------------------------------------------------------------------- main
 
+def backfill_forecasts(runs, out_dir):
+    """Runs recorded before results carried `ttft_forecast` get it from their records."""
+    for r in runs:
+        if "ttft_forecast" in r or r["system"] in REFERENCES:
+            continue
+        name = f"{r['family']}-w{r['workers']}-seed{r['seed']}-{r['system']}-r{r.get('repeat', 0)}.json"
+        path = out_dir / "records" / name
+        if not path.exists():
+            continue
+        ok = [x for x in json.loads(path.read_text()).get("records", []) if not x.get("error")]
+        forecast = ttft_forecast(ok, r.get("time_scale"))
+        if forecast:
+            r["ttft_forecast"] = forecast
+
+
 def write_report(out_dir, meta=None, make_plots=True):
     out_dir = Path(out_dir)
     results = json.loads((out_dir / "results.json").read_text())
     runs = latest_runs(results)
+    backfill_forecasts(runs, out_dir)
     rows = aggregate(runs)
     meta = meta or {}
     meta_path = out_dir / "meta.json"

@@ -9,7 +9,7 @@ worker, unbounded cache) and the sim reference are at least round robin's; sim d
 the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's;
 the prebuilt requests match what the mock computed (answers and prompt tokens); the simulator
 reproduces the bound run's cached tokens; no run failed or had errors; mmrouter
-rows carry a prediction error; every system named by --systems has run (a system that failed
+rows carry a prediction error and a TTFT forecast error; every system named by --systems has run (a system that failed
 to start leaves no result).
 """
 import json
@@ -46,6 +46,9 @@ def check(out, min_requests, expected=()):
         if r["system"] in ("mmrouter", "mmrouter-approx") and "prediction_mae_tokens" not in r:
             problems.append(f"{r['family']}/{r['workers']}/mmrouter: no prediction error "
                             "(x-mmrouter-overlap missing?)")
+        if r["system"] in ("mmrouter", "mmrouter-approx") and "ttft_forecast_mae_ms" not in r:
+            problems.append(f"{r['family']}/{r['workers']}/mmrouter: no TTFT forecast error "
+                            "(x-mmrouter-decision missing?)")
     for fam, w in sorted(cells):
         rr, bound, simr = (by.get((fam, w, s)) for s in ("envoy-rr", "bound", "sim"))
         if rr and bound and bound["hit_rate"] < rr["hit_rate"]:
