@@ -363,13 +363,18 @@ def plots(rows, out_dir):
 
 # ----------------------------------------------------------------------------- main
 
+def records_path(out_dir, family, workers, seed, system, repeat=0):
+    """Where run.py keeps one run's per-request records."""
+    return Path(out_dir) / "records" / f"{family}-w{workers}-seed{seed}-{system}-r{repeat}.json"
+
+
 def backfill_forecasts(runs, out_dir):
     """Runs recorded before results carried `ttft_forecast` get it from their records."""
     for r in runs:
         if "ttft_forecast" in r or r["system"] in REFERENCES:
             continue
-        name = f"{r['family']}-w{r['workers']}-seed{r['seed']}-{r['system']}-r{r.get('repeat', 0)}.json"
-        path = out_dir / "records" / name
+        path = records_path(out_dir, r["family"], r["workers"], r["seed"], r["system"],
+                            r.get("repeat", 0))
         if not path.exists():
             continue
         ok = [x for x in json.loads(path.read_text()).get("records", []) if not x.get("error")]

@@ -348,7 +348,7 @@ def main(argv):
             wall = time.time() - t_run
             summ["load_before"] = round(load_before, 2)
             summ["load_after"] = round(os.getloadavg()[0], 2)
-            (out / "records" / f"{f}-w{w}-seed{seed}-{s}-r{rep}.json").write_text(json.dumps(
+            report.records_path(out, f, w, seed, s, rep).write_text(json.dumps(
                 {"summary": summ, "records": records}, indent=0))
             if s == "bound":
                 bound_seen[bkey] = summ
