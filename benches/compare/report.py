@@ -369,9 +369,10 @@ def records_path(out_dir, family, workers, seed, system, repeat=0):
 
 
 def backfill_forecasts(runs, out_dir):
-    """Runs recorded before results carried `ttft_forecast` get it from their records."""
+    """mmrouter runs recorded before results carried `ttft_forecast` get it from their records
+    (only mmrouter answers with x-mmrouter-decision: other systems' records are not read)."""
     for r in runs:
-        if "ttft_forecast" in r or r["system"] in REFERENCES:
+        if "ttft_forecast" in r or not r["system"].startswith("mmrouter"):
             continue
         path = records_path(out_dir, r["family"], r["workers"], r["seed"], r["system"],
                             r.get("repeat", 0))
