@@ -8,9 +8,9 @@ has a row per family and worker count; hit rates are numbers in [0, 1]; the boun
 worker, unbounded cache) and the sim reference are at least round robin's; sim does not beat
 the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's;
 the prebuilt requests match what the mock computed (answers and prompt tokens); the simulator
-reproduces the bound run's cached tokens; no run failed or had errors; mmrouter
-rows carry a prediction error and a TTFT forecast error; every system named by --systems has run (a system that failed
-to start leaves no result).
+reproduces the bound run's cached tokens; no run failed or had errors; mmrouter rows carry a
+prediction error and a TTFT forecast error; every system named by --systems has run (a system
+that failed to start leaves no result).
 """
 import json
 import sys
@@ -43,12 +43,12 @@ def check(out, min_requests, expected=()):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: hit rate {h!r} not in [0, 1]")
         if r["system"] not in SIMULATED and r.get("errors"):
             problems.append(f"{r['family']}/{r['workers']}/{r['system']}: {r['errors']} errors")
-        if r["system"] in ("mmrouter", "mmrouter-approx") and "prediction_mae_tokens" not in r:
-            problems.append(f"{r['family']}/{r['workers']}/mmrouter: no prediction error "
-                            "(x-mmrouter-overlap missing?)")
-        if r["system"] in ("mmrouter", "mmrouter-approx") and "ttft_forecast_mae_ms" not in r:
-            problems.append(f"{r['family']}/{r['workers']}/mmrouter: no TTFT forecast error "
-                            "(x-mmrouter-decision missing?)")
+        if r["system"] in ("mmrouter", "mmrouter-approx"):
+            for field, what, header in (("prediction_mae_tokens", "prediction error", "overlap"),
+                                        ("ttft_forecast_mae_ms", "TTFT forecast error", "decision")):
+                if field not in r:
+                    problems.append(f"{r['family']}/{r['workers']}/{r['system']}: no {what} "
+                                    f"(x-mmrouter-{header} missing?)")
     for fam, w in sorted(cells):
         rr, bound, simr = (by.get((fam, w, s)) for s in ("envoy-rr", "bound", "sim"))
         if rr and bound and bound["hit_rate"] < rr["hit_rate"]:
