@@ -102,10 +102,12 @@ class Plan:
     def __init__(self, a, tools):
         self.a = a
         self.families = (list(tracegen.FAMILIES) if a.families == "all"
+                         else list(tracegen.HELD_OUT) if a.families == "held-out"
                          else parse_list(a.families))
+        known = {**tracegen.FAMILIES, **tracegen.HELD_OUT}
         for f in self.families:
-            if f not in tracegen.FAMILIES and f != "legacy":
-                sys.exit(f"unknown family {f} (known: {', '.join(tracegen.FAMILIES)}, legacy)")
+            if f not in known and f != "legacy":
+                sys.exit(f"unknown family {f} (known: {', '.join(known)}, legacy)")
         self.pool_dir = a.images_dir
         self.tools = tools
         self.cells = {}  # (family, seed) -> dict(header, requests, gpu_blocks, dropped, ...)
@@ -120,7 +122,8 @@ class Plan:
             header, turns = tracegen.load(trace_file)
             gpu = a.gpu_blocks or 4096
         else:
-            p = tracegen.FAMILIES.get(family, tracegen.SESSIONS)
+            p = (tracegen.family_params(family) if family != "legacy"
+                 else tracegen.SESSIONS)
             sessions = a.sessions
             if a.quick and not sessions and family != "legacy":
                 sessions = max(8, round(p["sessions"] * QUICK_SHARE))
@@ -199,8 +202,8 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--families", default="all",
-                    help=f"comma-separated, or all: {', '.join(tracegen.FAMILIES)} (legacy: the "
-                         "earlier single trace)")
+                    help=f"comma-separated, or all: {', '.join(tracegen.FAMILIES)}; or held-out: "
+                         f"{', '.join(tracegen.HELD_OUT)} (legacy: the earlier single trace)")
     ap.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated trace seeds")
     ap.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
@@ -281,7 +284,8 @@ def main(argv):
         "build": build_id(tools), "time_scale": a.time_scale,
         "workers_flags": {k: getattr(a, k) for k in WORKER_DEFAULTS},
         "families": {f: (tracegen.describe_family(f, plan.cells[(f, seeds[0])]["header"]["params"])
-                         if f in tracegen.FAMILIES else f) for f in families},
+                         if f in tracegen.FAMILIES or f in tracegen.HELD_OUT else f)
+                     for f in families},
         "traces": {f"{f}-seed{s}": plan.cells[(f, s)]["summary"] for f in families for s in seeds},
         "load": [round(x, 2) for x in os.getloadavg()],
     }

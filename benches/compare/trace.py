@@ -24,8 +24,8 @@ k-1's answer ended. Arrival modes:
 - `open`: session s starts `at` seconds after the replay starts, whatever the load.
 
 Images are references; their bytes are regenerated from (seed, size, format) by `ImagePool`,
-so a trace file stays small and replays bit-identically. Families (`FAMILIES`) are generated
-from a seed by `family_trace(name, seed)`; the legacy single trace of earlier versions is
+so a trace file stays small and replays bit-identically. Families (`FAMILIES`, and `HELD_OUT`) are
+generated from a seed by `family_trace(name, seed)`; the legacy single trace of earlier versions is
 `generate(seed)` (family `legacy`). Only the Python standard library and Pillow are used.
 """
 import base64
@@ -99,6 +99,31 @@ FAMILIES = {
                         first_text="Describe this image.", user_words=[4, 12]),
 }
 
+# Held out: shapes that no default was tuned on, first run in the eighty-sixth run
+# (docs/BENCHMARKS.md), for checking a change on traffic it was not made for. Not in `all`:
+# `--families held-out` runs them.
+HELD_OUT = {
+    # Closed loop, 12 users; longer conversations (1-6 turns), more images per turn (0-3), 10
+    # system prompts of 50-300 words, 60 images less skewed; a cache about the working set.
+    "long-sessions": dict(SESSIONS, sessions=60, users=12, turns_weights=[1, 1, 1, 1, 1, 1],
+                          system_prompts=10, system_words=[50, 300], image_pool=60,
+                          image_zipf=0.8, images_weights=[0.3, 0.4, 0.2, 0.1], gpu_blocks=2048),
+    # Open loop, Poisson at 6 requests/s; half of the sessions on one of 4 system prompts;
+    # 1-3 turns; a tight cache.
+    "half-hot": dict(FAMILIES["hot-system"], sessions=120, rate=6.0, hot_system_share=0.5,
+                     system_prompts=4, system_words=[100, 400], turns_weights=[1, 1, 1],
+                     gpu_blocks=1024),
+    # Open loop, bursts of 12-24 sessions ~10 s apart, 1-5 turns; a tight cache.
+    "big-bursts": dict(FAMILIES["bursty"], burst_sessions=[12, 24], burst_gap_s=10.0,
+                       turns_weights=[1, 1, 1, 1, 1], gpu_blocks=1024),
+}
+
+
+def family_params(name):
+    """The parameters of family `name`: one of `FAMILIES` or `HELD_OUT`."""
+    return FAMILIES[name] if name in FAMILIES else HELD_OUT[name]
+
+
 ARRIVAL_DOC = {
     "closed": "closed loop, {users} users",
     "poisson": "open loop, Poisson at {rate} req/s",
@@ -109,7 +134,7 @@ ARRIVAL_DOC = {
 
 def describe_family(name, p=None):
     """One line: the family's arrival mode and shape, for tables and docs."""
-    p = p or FAMILIES[name]
+    p = p or family_params(name)
     arrival = ARRIVAL_DOC[p["arrival"]].format(**p)
     return (f"{arrival}; {p['sessions']} sessions of 1-{len(p['turns_weights'])} turns; "
             f"{p['gpu_blocks']} blocks/worker")
@@ -132,7 +157,7 @@ def family_trace(name, seed, sessions=None, **overrides):
     runs) and `overrides` replace parameters."""
     if name == "legacy":
         return generate(seed, **overrides)
-    p = dict(FAMILIES[name])
+    p = dict(family_params(name))
     p.update({k: v for k, v in overrides.items() if v is not None})
     if sessions:
         p["sessions"] = sessions
@@ -475,7 +500,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="write a seeded multimodal trace (JSONL)")
-    ap.add_argument("--family", default="sessions", choices=[*FAMILIES, "legacy"])
+    ap.add_argument("--family", default="sessions", choices=[*FAMILIES, *HELD_OUT, "legacy"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--sessions", type=int)
     ap.add_argument("--out", required=True)
