@@ -96,7 +96,7 @@ def seeds_arg(text):
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", default="tight-256", choices=list(tracegen.FAMILIES))
+    ap.add_argument("--family", default="tight-256", choices=[*tracegen.FAMILIES, *tracegen.HELD_OUT])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("200-209"),
                     help="comma-separated seeds or ranges (200-229)")
@@ -114,7 +114,7 @@ def main(argv):
             header, turns = tracegen.family_trace(a.family, seed, sessions=a.sessions, **over)
             pool = tracegen.ImagePool(header, a.images_dir)
             pool.warm()
-            capacity = tracegen.FAMILIES[a.family]["gpu_blocks"]
+            capacity = tracegen.family_params(a.family)["gpu_blocks"]
             reqs, _ = blocks.fit_to_cache(blocks.expand(header, turns, pool, tool), capacity, BLOCK_SIZE)
             order = sim.nominal_order(reqs, header["arrival"], WORKER_DEFAULTS["prefill_tps"],
                                       WORKER_DEFAULTS["decode_tps"], WORKER_DEFAULTS["encoder_ms"])
