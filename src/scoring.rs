@@ -83,8 +83,9 @@
 //! per request: once the queue ahead will evict a shared prompt anyway, nothing in it keeps a
 //! group together, and every group spreads over every worker. With `home_hold`, each group of
 //! requests that share a preamble (the leading system messages) has a home worker
-//! ([`crate::state::homes`]: assigned at first sight where the least traffic is homed), and a
-//! request goes home instead of to its lowest-cost worker when
+//! ([`crate::state::homes`]: assigned at first sight, among the workers whose homed traffic
+//! is within its noise of the least, to the one with the fewest groups), and a request goes
+//! home instead of to its lowest-cost worker when
 //! - that worker would recompute the preamble: where it holds the preamble (or more: a
 //!   follow-up's history, a repeated image) the request finds its prefix there, so where
 //!   caches hold the working set every worker soon holds every preamble and the cost
@@ -118,7 +119,7 @@
 //! can share a worker, and with 2 workers the load bound above never binds. With
 //! `home_rebalance_above` set (off by default), a group whose home carries more than that
 //! many times the mean homed traffic moves to the least homed worker, if it is at most half
-//! the difference ([`crate::state::homes::Homes::rebalance`]). With `home_fewest_groups` (off
+//! the difference ([`crate::state::homes::Homes::rebalance`]). With `home_fewest_groups` (on
 //! by default) a new group's home is the worker with the fewest groups among those whose
 //! homed traffic is within its noise of the least ([`crate::state::homes::Placement`]).
 //!
@@ -240,10 +241,10 @@ pub struct ScoringConfig {
     pub home_fit_max_traffic: f64,
     /// A new group's home is, among the workers whose homed traffic is within its noise of the
     /// least (two counts of requests within the square root of their sum), the one with the
-    /// fewest groups homed (default false: the
-    /// least homed traffic). At start-up every user's first request arrives at once, and a
-    /// group's first requests count who happened to start with its prompt, not how popular
-    /// it is ([`crate::state::homes::Placement`]).
+    /// fewest groups homed (default true; false: the least homed traffic). At start-up and
+    /// in a burst every user's first request arrives at once, and a group's first requests
+    /// count who happened to start with its prompt, not how popular it is
+    /// ([`crate::state::homes::Placement`]).
     pub home_fewest_groups: bool,
     /// Requests per worker (recent, decayed) a group's share of the traffic is counted over
     /// at least (default 4; 0 = over what the table has seen). Before the homes table has
@@ -280,7 +281,7 @@ impl Default for ScoringConfig {
             home_max_shares: 1.5,
             home_fit_lifts_share_limit: true,
             home_fit_max_traffic: 0.5,
-            home_fewest_groups: false,
+            home_fewest_groups: true,
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
             conversation_hold: 2.0,

@@ -65,7 +65,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_max_shares, 1.5);
     assert!(c.home_fit_lifts_share_limit);
     assert_eq!(c.home_fit_max_traffic, 0.5);
-    assert!(!c.home_fewest_groups);
+    assert!(c.home_fewest_groups);
     assert_eq!(c.home_share_min_requests, 4.0);
     assert_eq!(c.home_rebalance_above, 0.0);
     assert_eq!(c.conversation_hold, 2.0);

@@ -7,7 +7,10 @@
 //! of its group. Choosing per request, by cost, spreads every group over every worker; a home
 //! per group keeps each group's requests together. A group gets its home at first sight: the
 //! eligible worker with the least homed request rate (the groups already homed there, each
-//! weighted by its recent requests), so homes are balanced by traffic, not by count. A home
+//! weighted by its recent requests), so homes are balanced by traffic; with
+//! [`Placement::fewest_groups`] (the filter's default), among the workers whose homed rate is
+//! within its noise of the least, the one with the fewest groups, since a group's first
+//! requests count who started with its prompt, not how popular it is. A home
 //! whose worker left, became ineligible or was replaced (another incarnation of its slot) is
 //! chosen again the same way. Each group's decayed rate also gives its share of the traffic
 //! ([`Homes::rates`], [`share_of`]): the filter does not hold a group with more than about one
