@@ -24,9 +24,10 @@ k-1's answer ended. Arrival modes:
 - `open`: session s starts `at` seconds after the replay starts, whatever the load.
 
 Images are references; their bytes are regenerated from (seed, size, format) by `ImagePool`,
-so a trace file stays small and replays bit-identically. Families (`FAMILIES`, and `HELD_OUT`) are
-generated from a seed by `family_trace(name, seed)`; the legacy single trace of earlier versions is
-`generate(seed)` (family `legacy`). Only the Python standard library and Pillow are used.
+so a trace file stays small and replays bit-identically. Families (`FAMILIES`, and the
+held-out ones in `HELD_OUT`) are generated from a seed by `family_trace(name, seed)`; the legacy
+single trace of earlier versions is `generate(seed)` (family `legacy`). Only the Python standard
+library and Pillow are used.
 """
 import base64
 import io
