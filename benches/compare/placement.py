@@ -96,7 +96,7 @@ def seeds_arg(text):
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", default="tight-256", choices=[*tracegen.FAMILIES, *tracegen.HELD_OUT])
+    ap.add_argument("--family", default="tight-256", choices=list(tracegen.NAMED))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("200-209"),
                     help="comma-separated seeds or ranges (200-229)")

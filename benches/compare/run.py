@@ -104,10 +104,9 @@ class Plan:
         self.families = (list(tracegen.FAMILIES) if a.families == "all"
                          else list(tracegen.HELD_OUT) if a.families == "held-out"
                          else parse_list(a.families))
-        known = {**tracegen.FAMILIES, **tracegen.HELD_OUT}
         for f in self.families:
-            if f not in known and f != "legacy":
-                sys.exit(f"unknown family {f} (known: {', '.join(known)}, legacy)")
+            if f not in tracegen.NAMED and f != "legacy":
+                sys.exit(f"unknown family {f} (known: {', '.join(tracegen.NAMED)}, legacy)")
         self.pool_dir = a.images_dir
         self.tools = tools
         self.cells = {}  # (family, seed) -> dict(header, requests, gpu_blocks, dropped, ...)
@@ -284,8 +283,7 @@ def main(argv):
         "build": build_id(tools), "time_scale": a.time_scale,
         "workers_flags": {k: getattr(a, k) for k in WORKER_DEFAULTS},
         "families": {f: (tracegen.describe_family(f, plan.cells[(f, seeds[0])]["header"]["params"])
-                         if f in tracegen.FAMILIES or f in tracegen.HELD_OUT else f)
-                     for f in families},
+                         if f in tracegen.NAMED else f) for f in families},
         "traces": {f"{f}-seed{s}": plan.cells[(f, s)]["summary"] for f in families for s in seeds},
         "load": [round(x, 2) for x in os.getloadavg()],
     }

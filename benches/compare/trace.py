@@ -120,9 +120,13 @@ HELD_OUT = {
 }
 
 
+# Every family a name selects (`legacy` aside): the tuned ones and the held-out ones.
+NAMED = {**FAMILIES, **HELD_OUT}
+
+
 def family_params(name):
     """The parameters of family `name`: one of `FAMILIES` or `HELD_OUT`."""
-    return FAMILIES[name] if name in FAMILIES else HELD_OUT[name]
+    return NAMED[name]
 
 
 ARRIVAL_DOC = {
@@ -501,7 +505,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="write a seeded multimodal trace (JSONL)")
-    ap.add_argument("--family", default="sessions", choices=[*FAMILIES, *HELD_OUT, "legacy"])
+    ap.add_argument("--family", default="sessions", choices=[*NAMED, "legacy"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--sessions", type=int)
     ap.add_argument("--out", required=True)
