@@ -74,9 +74,10 @@ def wait_until(pred, timeout, what, proc=None, log=None):
 
 
 class Fleet:
-    """N mock workers and one system in front of them; every process is stopped on close."""
+    """Mock workers, one per list of flags in `worker_args`, and one system in front of them;
+    every process is stopped on close."""
 
-    def __init__(self, system, n_workers, worker_args, tools, router_config=None):
+    def __init__(self, system, worker_args, tools, router_config=None):
         self.tmp = Path(tempfile.mkdtemp(prefix=f"mmrouter-cmp-{system}-"))
         self.procs = []
         self.workers = []  # (name, "127.0.0.1:port", log path)
@@ -85,8 +86,8 @@ class Fleet:
         self.events = {}  # name -> (events endpoint, replay endpoint), precise mode
         precise = system.startswith("mmrouter") and system != "mmrouter-approx"
         try:
-            for i in range(n_workers):
-                self._start_worker(f"w{i}", worker_args, precise)
+            for i, args in enumerate(worker_args):
+                self._start_worker(f"w{i}", args, precise)
             self.port = free_port()
             if system == "bound":
                 self.port = int(self.workers[0][1].rsplit(":", 1)[1])

@@ -117,6 +117,7 @@ class Plan:
         if key in self.cells:
             return self.cells[key]
         a = self.a
+        speeds = None
         if trace_file:
             header, turns = tracegen.load(trace_file)
             gpu = a.gpu_blocks or 4096
@@ -131,6 +132,7 @@ class Plan:
             gpu = p["gpu_blocks"]
             if a.gpu_blocks and not family.startswith("tight-"):
                 gpu = a.gpu_blocks
+            speeds = p.get("worker_speeds")
         pool = tracegen.ImagePool(header, self.pool_dir)
         pool.warm()
         # tight-* replay the sessions trace: expand each distinct trace once.
@@ -148,6 +150,7 @@ class Plan:
         tracegen.save(tdir / f"{family}-seed{seed}.jsonl", header, turns)
         order = sim.nominal_order(reqs, header["arrival"], a.prefill_tps, a.decode_tps, a.encoder_ms)
         c = {"header": header, "requests": reqs, "gpu_blocks": gpu, "dropped": dropped,
+             "worker_speeds": speeds,
              "order": order, "summary": tracegen.summary(header, turns, pool),
              "set_key": (tkey, gpu if dropped else None)}
         c["summary"].update(requests_replayed=len(reqs), requests_dropped_too_long=dropped,
@@ -158,9 +161,12 @@ class Plan:
         return c
 
 
-def worker_args(a, gpu_blocks, time_scale):
-    return ["--time-scale", str(time_scale), "--prefill-tokens-per-sec", str(a.prefill_tps),
-            "--encoder-ms-per-image", str(a.encoder_ms), "--decode-tokens-per-sec", str(a.decode_tps),
+def worker_args(a, gpu_blocks, time_scale, speed=1.0):
+    """The mock's flags; `speed` scales its prefill, encoder and decode speeds (a family's
+    `worker_speeds`)."""
+    return ["--time-scale", str(time_scale), "--prefill-tokens-per-sec", str(a.prefill_tps * speed),
+            "--encoder-ms-per-image", str(a.encoder_ms / speed),
+            "--decode-tokens-per-sec", str(a.decode_tps * speed),
             "--num-gpu-blocks", str(gpu_blocks), "--max-num-seqs", str(a.max_num_seqs),
             "--mm-cache-items", str(a.mm_cache_items), "--model", tracegen.MODEL]
 
@@ -172,10 +178,12 @@ def run_system(a, tools, system, n_workers, cell, variants):
         # One worker, a cache that never evicts, no emulated time, waits x0.02: the most any
         # router can get from the caches on this trace (order aside).
         args = worker_args(a, 1_000_000, 0) + ["--mm-cache-items", "0"]
-        fleet, factor, scale = replay.Fleet(system, 1, args, tools), 0.02, 0.0
+        fleet, factor, scale = replay.Fleet(system, [args], tools), 0.02, 0.0
     else:
-        args = worker_args(a, cell["gpu_blocks"], a.time_scale)
-        fleet = replay.Fleet(system, n_workers, args, tools, variants.get(system))
+        args = [worker_args(a, cell["gpu_blocks"], a.time_scale,
+                            tracegen.worker_speed(cell["worker_speeds"], i))
+                for i in range(n_workers)]
+        fleet = replay.Fleet(system, args, tools, variants.get(system))
         factor = scale = a.time_scale
     try:
         records, wall = asyncio.run(replay.replay(fleet.url, cell["requests"], header["arrival"],

@@ -117,7 +117,26 @@ HELD_OUT = {
     # Open loop, bursts of 12-24 sessions ~10 s apart, 1-5 turns; a tight cache.
     "big-bursts": dict(FAMILIES["bursty"], burst_sessions=[12, 24], burst_gap_s=10.0,
                        turns_weights=[1, 1, 1, 1, 1], gpu_blocks=1024),
+    # Open loop, Poisson at 5 requests/s, on a fleet of two speeds: worker i runs at
+    # `worker_speeds[i % 2]` times the prefill, encoder and decode speed (a newer and an older
+    # GPU). 8 system prompts of 80-350 words, 1-4 turns, 0-2 images; 2048 blocks per worker.
+    "mixed-fleet": dict(SESSIONS, sessions=100, arrival="poisson", rate=5.0, system_prompts=8,
+                        system_words=[80, 350], turns_weights=[1, 1, 1, 1],
+                        images_weights=[0.3, 0.5, 0.2], gpu_blocks=2048,
+                        worker_speeds=[1.0, 0.4]),
 }
+
+
+# Parameters of the workers a family runs on, not of its traffic: `gpu_blocks` (KV blocks per
+# worker) and `worker_speeds` (optional; worker i runs at `worker_speeds[i % len]` times the
+# mock's speeds).
+FLEET = ("gpu_blocks", "worker_speeds")
+
+
+def worker_speed(speeds, i):
+    """The speed factor of worker `i` under a family's `worker_speeds` (None: 1.0)."""
+    speeds = speeds or [1.0]
+    return speeds[i % len(speeds)]
 
 
 # Every family a name selects (`legacy` aside): the tuned ones and the held-out ones.
@@ -141,8 +160,10 @@ def describe_family(name, p=None):
     """One line: the family's arrival mode and shape, for tables and docs."""
     p = p or family_params(name)
     arrival = ARRIVAL_DOC[p["arrival"]].format(**p)
+    speeds = p.get("worker_speeds")
+    fleet = f"; workers at {' / '.join(f'{x:g}' for x in speeds)}× speed" if speeds else ""
     return (f"{arrival}; {p['sessions']} sessions of 1-{len(p['turns_weights'])} turns; "
-            f"{p['gpu_blocks']} blocks/worker")
+            f"{p['gpu_blocks']} blocks/worker{fleet}")
 
 
 def _words(rng, n):
@@ -167,8 +188,8 @@ def family_trace(name, seed, sessions=None, **overrides):
     if sessions:
         p["sessions"] = sessions
     # The traffic of a family is its own: the seed stream also depends on the family's shape,
-    # not on the cache size (tight-* replay exactly the sessions trace of the same seed).
-    shape = {k: v for k, v in p.items() if k != "gpu_blocks"}
+    # not on the fleet it runs on (tight-* replay exactly the sessions trace of the same seed).
+    shape = {k: v for k, v in p.items() if k not in FLEET}
     rng = random.Random(f"{seed}/{json.dumps(shape, sort_keys=True)}")
     n_sys = p["system_prompts"]
     systems = []
