@@ -259,6 +259,15 @@ pub struct ScoringConfig {
     /// admission cut while that worker carries at most this many times the home load bound
     /// (default 2; 0 = off: the cost alone decides; see "Conversations" above).
     pub conversation_hold: f64,
+    /// A group's request is not held to its home, within its load bound, when the home's
+    /// extra wait costs more than the preamble's weighted prefill and the chosen worker's
+    /// cache holds the copy (default false; [`home_wait_pays_for_preamble`], [`copy_fits`]).
+    pub home_wait_where_copy_fits: bool,
+    /// A follow-up is not held to its conversation's worker, within the hold's bound, when
+    /// that worker's extra wait costs more than the weighted prefill of the conversation the
+    /// chosen worker lacks and the chosen worker's cache holds the copy (default false;
+    /// [`wait_against_recompute`], [`copy_fits`]).
+    pub conversation_wait_where_copy_fits: bool,
 }
 
 impl Default for ScoringConfig {
@@ -285,6 +294,8 @@ impl Default for ScoringConfig {
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
             conversation_hold: 2.0,
+            home_wait_where_copy_fits: false,
+            conversation_wait_where_copy_fits: false,
         }
     }
 }
@@ -549,17 +560,41 @@ pub fn home_wait_pays_for_preamble(
     preamble_blocks: usize,
     config: &ScoringConfig,
 ) -> bool {
-    let (Some(at_home), Some(chosen)) = (
-        choice.estimates.get(home),
-        choice.estimates.get(choice.index),
-    ) else {
-        return false;
-    };
+    wait_against_recompute(choice, candidates, home, preamble_blocks, config)
+        .is_some_and(|(extra_s, pays_s)| extra_s <= pays_s)
+}
+
+/// Candidate `at`'s extra wait over the chosen worker's, and the weighted prefill of `blocks`
+/// on the chosen worker that sending the request to `at` instead would save (once for the
+/// request, `recompute_weight` per request in flight for those behind it, as the cost weighs
+/// a recompute), in seconds: what a hold on a home ([`home_wait_pays_for_preamble`]) or on
+/// a conversation's worker weighs.
+pub fn wait_against_recompute(
+    choice: &Choice,
+    candidates: &[Candidate],
+    at: usize,
+    blocks: usize,
+    config: &ScoringConfig,
+) -> Option<(f64, f64)> {
+    let held = choice.estimates.get(at)?;
+    let chosen = choice.estimates.get(choice.index)?;
     let speed = candidates
         .get(choice.index)
         .map_or(config.prefill_tokens_per_sec, |c| speed(c, config));
-    let preamble_s = preamble_blocks as f64 * choice.block_size as f64 / speed;
-    at_home.wait_s - chosen.wait_s <= preamble_s * (1.0 + recompute_weight(candidates, config))
+    let recompute_s = blocks as f64 * choice.block_size as f64 / speed;
+    Some((
+        held.wait_s - chosen.wait_s,
+        recompute_s * (1.0 + recompute_weight(candidates, config)),
+    ))
+}
+
+/// Whether the chosen worker's cache holds a copy of the request's new blocks there on top
+/// of what it took recently (as [`home_holds_its_footprint`] asks of a home): a copy of a
+/// group's preamble there evicts nothing another request would find.
+pub fn copy_fits(choice: &Choice, candidates: &[Candidate], config: &ScoringConfig) -> bool {
+    candidates
+        .get(choice.index)
+        .is_some_and(|c| home_holds_its_footprint(choice, c, config))
 }
 
 /// The weight of a recompute in the cost: `recompute_weight`, times one plus the requests in

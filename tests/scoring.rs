@@ -69,6 +69,8 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_share_min_requests, 4.0);
     assert_eq!(c.home_rebalance_above, 0.0);
     assert_eq!(c.conversation_hold, 2.0);
+    assert!(!c.home_wait_where_copy_fits);
+    assert!(!c.conversation_wait_where_copy_fits);
     assert!(c.validate().is_ok());
 }
 

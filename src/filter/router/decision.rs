@@ -39,6 +39,10 @@ pub enum LetGo {
     /// `home_max_shares`, and neither rule past the limit held it; `fits`: whether the
     /// home's cache holds its footprint and this request (both rules need it).
     ShareLimit { shares: f64, fits: bool },
+    /// The home's extra wait (`extra_s`) costs more than the preamble's weighted prefill
+    /// (`pays_s`), and the chosen worker's cache holds the copy
+    /// (`scoring.home_wait_where_copy_fits`).
+    Wait { extra_s: f64, pays_s: f64 },
 }
 
 impl LetGo {
@@ -47,6 +51,11 @@ impl LetGo {
             LetGo::LoadBound { carries, bound } => {
                 format!("{carries:.0} in flight there past its bound of {bound:.0}")
             }
+            LetGo::Wait { extra_s, pays_s } => format!(
+                "its wait there is {:.1} ms longer, past the preamble's {:.1} ms, and the copy fits here",
+                extra_s * 1e3,
+                pays_s * 1e3
+            ),
             LetGo::ShareLimit { shares, fits } => format!(
                 "its group has {shares:.1} workers' shares of the traffic{}",
                 if *fits {
@@ -125,6 +134,14 @@ pub enum Conversation {
         name: String,
         carries: f64,
         limit: f64,
+    },
+    /// Not sent back to this worker: its wait is `extra_s` longer than the chosen worker's,
+    /// past the conversation's weighted prefill there (`pays_s`), and the copy fits there
+    /// (`scoring.conversation_wait_where_copy_fits`).
+    LetGoWait {
+        name: String,
+        extra_s: f64,
+        pays_s: f64,
     },
 }
 
@@ -211,6 +228,15 @@ impl Decision {
                         limit,
                     }) => line.push_str(&format!(
                         "; not back to its conversation on {name}: {carries} in flight there past {limit}"
+                    )),
+                    Some(Conversation::LetGoWait {
+                        name,
+                        extra_s,
+                        pays_s,
+                    }) => line.push_str(&format!(
+                        "; not back to its conversation on {name}: its wait there is {:.1} ms longer, past the conversation's {:.1} ms, and the copy fits here",
+                        extra_s * 1e3,
+                        pays_s * 1e3
                     )),
                     None => {}
                 }

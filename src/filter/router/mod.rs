@@ -20,8 +20,8 @@ pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
-    splitmix64,
+    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, copy_fits, pick_below,
+    queued_blocks, splitmix64, wait_against_recompute,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -210,8 +210,13 @@ impl Router {
         } else {
             HomeOutcome::Nothing
         };
-        let conversation =
-            self.back_to_conversation(conversation_at, &eligible, &candidates, &mut choice);
+        let conversation = self.back_to_conversation(
+            conversation_at,
+            analysis.layout.continued_blocks,
+            &eligible,
+            &candidates,
+            &mut choice,
+        );
         let home_let_go = match outcome {
             HomeOutcome::LetGo(slot, why) => self.target(slot).map(|t| (t.name, why)),
             _ => None,
@@ -351,28 +356,50 @@ impl Router {
     }
 
     /// `scoring.conversation_hold`: a follow-up goes back to candidate `at`, the worker that
-    /// held its whole conversation before the admission cut, while that worker's load is
-    /// within the hold's bound. None where no worker held it or it is the choice.
+    /// held its whole conversation (`continued` blocks) before the admission cut, while that
+    /// worker's load is within the hold's bound, and with
+    /// `scoring.conversation_wait_where_copy_fits` while its extra wait costs no more than
+    /// the conversation's weighted prefill on the chosen worker, or a copy there would not
+    /// fit in its cache. None where no worker held it or it is the choice.
     fn back_to_conversation(
         &self,
         at: Option<usize>,
+        continued: usize,
         eligible: &[usize],
         candidates: &[Candidate],
         choice: &mut Choice,
     ) -> Option<Conversation> {
         let at = at.filter(|&at| at != choice.index)?;
         let name = self.target(*eligible.get(at)?)?.name;
-        let (carries, limit) = conversation_load(candidates, at, &self.config.router.scoring);
-        if carries <= limit {
-            choice.prefer(at);
-            Some(Conversation::Held(name))
-        } else {
-            Some(Conversation::LetGo {
+        let scoring = &self.config.router.scoring;
+        let (carries, limit) = conversation_load(candidates, at, scoring);
+        if carries > limit {
+            return Some(Conversation::LetGo {
                 name,
                 carries,
                 limit,
-            })
+            });
         }
+        // Where the chosen worker's cache holds a copy of the conversation, the copy costs
+        // its prefill once; a long queue on the conversation's worker costs the request its
+        // wait (with 2 workers the load bound never binds).
+        let lacks = candidates
+            .get(choice.index)
+            .map_or(continued, |c| continued.saturating_sub(c.matched_blocks));
+        if scoring.conversation_wait_where_copy_fits
+            && copy_fits(choice, candidates, scoring)
+            && let Some((extra_s, pays_s)) =
+                wait_against_recompute(choice, candidates, at, lacks, scoring)
+                    .filter(|(extra_s, pays_s)| extra_s > pays_s)
+        {
+            return Some(Conversation::LetGoWait {
+                name,
+                extra_s,
+                pays_s,
+            });
+        }
+        choice.prefer(at);
+        Some(Conversation::Held(name))
     }
 
     /// Records the request's last block key for `slot` now, with the stamp the state writer

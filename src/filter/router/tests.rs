@@ -180,9 +180,20 @@ fn second_turn(system: &str, image: &[u8], question: &str) -> Vec<u8> {
 /// requests on it and six times the turn's prefill queued: the second turn's decision, and
 /// the first turn's worker.
 fn follow_up_behind_a_queue(conversation_hold: f64, in_flight: u32) -> (Decision, usize) {
+    follow_up_behind_a_queue_with(conversation_hold, in_flight, false)
+}
+
+/// [`follow_up_behind_a_queue`] with `scoring.conversation_wait_where_copy_fits` set to
+/// `wait_rule`.
+fn follow_up_behind_a_queue_with(
+    conversation_hold: f64,
+    in_flight: u32,
+    wait_rule: bool,
+) -> (Decision, usize) {
     let store = MemoryStore::default();
     let mut c = config(8);
     c.router.scoring.conversation_hold = conversation_hold;
+    c.router.scoring.conversation_wait_where_copy_fits = wait_rule;
     // Not its group's home either (that hold is tested on its own).
     c.router.scoring.home_hold = false;
     let mut r = start(&store, c);
@@ -253,6 +264,86 @@ fn a_follow_up_goes_back_to_its_conversation_within_the_holds_bound() {
     assert!(
         away.log_line().contains(&format!(
             "; not back to its conversation on w{home}: 5 in flight there past 4"
+        )),
+        "{}",
+        away.log_line()
+    );
+}
+
+#[test]
+fn a_follow_up_waits_on_its_conversations_worker_only_while_the_wait_costs_less_than_a_copy_that_fits()
+ {
+    // Within the hold's bound (2 in flight there with it), with six times the first turn's
+    // prefill queued there: far more than the conversation's prefill on an idle worker,
+    // weighed for the 1/8 request in flight per worker (2.125 times).
+    let (held, home) = follow_up_behind_a_queue_with(2.0, 1, false);
+    assert_eq!(held.target.slot, home);
+    let (away, home) = follow_up_behind_a_queue_with(2.0, 1, true);
+    assert_ne!(away.target.slot, home);
+    let Some(Conversation::LetGoWait {
+        name,
+        extra_s,
+        pays_s,
+    }) = &away.conversation
+    else {
+        panic!("let go for its wait: {:?}", away.conversation);
+    };
+    assert_eq!(*name, format!("w{home}"));
+    assert!(*extra_s > 2.0 * pays_s, "{extra_s} {pays_s}");
+    assert!(*pays_s > 0.0);
+    assert!(
+        away.log_line().contains(&format!(
+            "; not back to its conversation on w{home}: its wait there is "
+        )),
+        "{}",
+        away.log_line()
+    );
+}
+
+/// A group's request whose home (where its first request went) has a long prefill queue,
+/// on 4 workers with `scoring.home_wait_where_copy_fits` set to `on`: the decision, and
+/// the home.
+fn group_request_behind_a_queue(on: bool) -> (Decision, usize) {
+    let store = MemoryStore::default();
+    let mut c = home_hold(4, 1.0);
+    c.router.scoring.home_wait_where_copy_fits = on;
+    // The hold on a conversation is tested on its own.
+    c.router.scoring.conversation_hold = 0.0;
+    let mut r = start(&store, c);
+    let system = "You are a careful assistant who looks at pictures. ".repeat(12);
+    let first = route(
+        &mut r,
+        &store,
+        &with_system(&system, &png(400, 300), "Describe this image."),
+        0,
+        0,
+    );
+    assert!(r.finished(&store, &first, 10_000, true));
+    apply(&store, &r, 10);
+    let home = first.target.slot;
+    // One request in flight there (within the load bound's floor of 2) with a second of
+    // prefill queued: far longer than the preamble's copy elsewhere.
+    LoadTable::new(r.keys().load()).route(&store, home, 1_000_000, 1_000_000, 0);
+    let next = with_system(&system, &png(401, 300), "Describe this image.");
+    (route(&mut r, &store, &next, 1000, 0), home)
+}
+
+#[test]
+fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fits() {
+    let (held, home) = group_request_behind_a_queue(false);
+    assert_eq!(held.target.slot, home);
+    assert!(held.home, "{}", held.log_line());
+    let (away, home) = group_request_behind_a_queue(true);
+    assert_ne!(away.target.slot, home);
+    assert!(!away.home);
+    let Some((name, LetGo::Wait { extra_s, pays_s })) = &away.home_let_go else {
+        panic!("let go for its wait: {:?}", away.home_let_go);
+    };
+    assert_eq!(*name, format!("w{home}"));
+    assert!(*extra_s > 0.9 && extra_s > pays_s, "{extra_s} {pays_s}");
+    assert!(
+        away.log_line().contains(&format!(
+            "; not its group's home w{home}: its wait there is "
         )),
         "{}",
         away.log_line()
