@@ -261,12 +261,12 @@ pub struct ScoringConfig {
     pub conversation_hold: f64,
     /// A group's request is not held to its home, within its load bound, when the home's
     /// extra wait costs more than the preamble's weighted prefill and the chosen worker's
-    /// cache holds the copy (default false; [`home_wait_pays_for_preamble`], [`copy_fits`]).
+    /// cache holds the copy (default false; [`wait_past_a_copy_that_fits`]).
     pub home_wait_where_copy_fits: bool,
     /// A follow-up is not held to its conversation's worker, within the hold's bound, when
     /// that worker's extra wait costs more than the weighted prefill of the conversation the
     /// chosen worker lacks and the chosen worker's cache holds the copy (default false;
-    /// [`wait_against_recompute`], [`copy_fits`]).
+    /// [`wait_past_a_copy_that_fits`]).
     pub conversation_wait_where_copy_fits: bool,
 }
 
@@ -588,13 +588,25 @@ pub fn wait_against_recompute(
     ))
 }
 
-/// Whether the chosen worker's cache holds a copy of the request's new blocks there on top
-/// of what it took recently (as [`home_holds_its_footprint`] asks of a home): a copy of a
-/// group's preamble there evicts nothing another request would find.
-pub fn copy_fits(choice: &Choice, candidates: &[Candidate], config: &ScoringConfig) -> bool {
-    candidates
-        .get(choice.index)
-        .is_some_and(|c| home_holds_its_footprint(choice, c, config))
+/// What the holds' wait rules (`home_wait_where_copy_fits`,
+/// `conversation_wait_where_copy_fits`) let a request go for: candidate `at`'s extra wait and
+/// the weighted prefill of `blocks` ([`wait_against_recompute`]), where the wait costs more
+/// and the chosen worker's cache holds a copy of the request's new blocks on top of what it
+/// took recently (as [`home_holds_its_footprint`] asks of a home: the copy evicts nothing
+/// another request would find). None where the hold stands.
+pub fn wait_past_a_copy_that_fits(
+    choice: &Choice,
+    candidates: &[Candidate],
+    at: usize,
+    blocks: usize,
+    config: &ScoringConfig,
+) -> Option<(f64, f64)> {
+    let chosen = candidates.get(choice.index)?;
+    if !home_holds_its_footprint(choice, chosen, config) {
+        return None;
+    }
+    wait_against_recompute(choice, candidates, at, blocks, config)
+        .filter(|(extra_s, pays_s)| extra_s > pays_s)
 }
 
 /// The weight of a recompute in the cost: `recompute_weight`, times one plus the requests in

@@ -5,8 +5,8 @@
 use super::Router;
 use super::decision::LetGo;
 use crate::scoring::{
-    Candidate, Choice, copy_fits, goes_home, home_holds_its_footprint, home_load,
-    home_saves_preamble, home_wait_pays_for_preamble, wait_against_recompute,
+    Candidate, Choice, goes_home, home_holds_its_footprint, home_load, home_saves_preamble,
+    home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
 };
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
 use crate::state::workers::LiveTable;
@@ -100,10 +100,8 @@ impl Router {
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
         // prefill once; a long queue at home costs the request its wait.
         if scoring.home_wait_where_copy_fits
-            && copy_fits(choice, candidates, scoring)
             && let Some((extra_s, pays_s)) =
-                wait_against_recompute(choice, candidates, index, preamble, scoring)
-                    .filter(|(extra_s, pays_s)| extra_s > pays_s)
+                wait_past_a_copy_that_fits(choice, candidates, index, preamble, scoring)
         {
             return HomeOutcome::LetGo(slot, LetGo::Wait { extra_s, pays_s });
         }

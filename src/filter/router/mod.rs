@@ -20,8 +20,8 @@ pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, copy_fits, pick_below,
-    queued_blocks, splitmix64, wait_against_recompute,
+    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
+    splitmix64, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -387,10 +387,8 @@ impl Router {
             .get(choice.index)
             .map_or(continued, |c| continued.saturating_sub(c.matched_blocks));
         if scoring.conversation_wait_where_copy_fits
-            && copy_fits(choice, candidates, scoring)
             && let Some((extra_s, pays_s)) =
-                wait_against_recompute(choice, candidates, at, lacks, scoring)
-                    .filter(|(extra_s, pays_s)| extra_s > pays_s)
+                wait_past_a_copy_that_fits(choice, candidates, at, lacks, scoring)
         {
             return Some(Conversation::LetGoWait {
                 name,
