@@ -122,6 +122,9 @@
 //! the difference ([`crate::state::homes::Homes::rebalance`]). With `home_fewest_groups` (on
 //! by default) a new group's home is the worker with the fewest groups among those whose
 //! homed traffic is within its noise of the least ([`crate::state::homes::Placement`]).
+//! With `home_speed_weighted` (off by default) both count homed traffic per unit of each
+//! worker's observed prefill speed, and where speeds differ a home with more than 1.25 times
+//! its part by speed gives up a group ([`crate::state::homes::Eligible`]).
 //!
 //! ## Conversations
 //! With `conversation_hold` (2 by default; 0 is off), a follow-up turn (a request that
@@ -268,6 +271,16 @@ pub struct ScoringConfig {
     /// chosen worker lacks and the chosen worker's cache holds the copy (default false;
     /// [`wait_past_a_copy_that_fits`]).
     pub conversation_wait_where_copy_fits: bool,
+    /// A new group's home is placed by each worker's homed traffic and groups per unit of its
+    /// observed prefill speed relative to the fastest eligible worker's (speeds within 25% of
+    /// it count as equal; unknown speeds as the fastest), so that a worker at 0.4 times the
+    /// others' speed is given about 0.4 times their traffic
+    /// ([`crate::state::homes::Eligible`]). Where the speeds differ, a home that carries more
+    /// than 1.25 times its part of the homed traffic by speed gives up a group as
+    /// `home_rebalance_above` would (the first homes are placed before any speed is known).
+    /// Default false: on equal workers the measured speeds differ by up to 2× with the mix of
+    /// requests each got, and that moved homes for nothing (docs/ROUTING.md).
+    pub home_speed_weighted: bool,
 }
 
 impl Default for ScoringConfig {
@@ -296,6 +309,7 @@ impl Default for ScoringConfig {
             conversation_hold: 2.0,
             home_wait_where_copy_fits: false,
             conversation_wait_where_copy_fits: false,
+            home_speed_weighted: false,
         }
     }
 }

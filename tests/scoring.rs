@@ -71,6 +71,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.conversation_hold, 2.0);
     assert!(!c.home_wait_where_copy_fits);
     assert!(!c.conversation_wait_where_copy_fits);
+    assert!(!c.home_speed_weighted);
     assert!(c.validate().is_ok());
 }
 

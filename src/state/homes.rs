@@ -57,11 +57,50 @@ pub struct Homes {
     pub entries: Vec<Home>,
 }
 
-/// A worker a group may be homed on: its slot and the slot's incarnation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A worker a group may be homed on: its slot, the slot's incarnation and its prefill speed
+/// relative to the fastest eligible worker's.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Eligible {
     pub slot: usize,
     pub incarnation: u8,
+    /// In (0, 1]: 1 for the fastest worker and for workers of unknown speed. A new group's
+    /// home is placed by each worker's homed rate and groups per unit of speed, so a worker at
+    /// half the speed of the others is the least homed with half their traffic
+    /// ([`Eligible::relative_speeds`]).
+    pub speed: f64,
+}
+
+impl Eligible {
+    /// Slowest relative speed counted: a worker reported at a hundredth of the fastest one's
+    /// speed still counts as one hundredth.
+    const MIN_SPEED: f64 = 0.01;
+
+    /// Each worker's speed relative to the fastest one: `speeds[i] / max`, 1 for a speed
+    /// that is unknown (not positive and finite), and 1 for all when no speed is known.
+    /// Speeds within `band` of the fastest count as the fastest (measured speeds move with
+    /// contention; 0 = none).
+    pub fn relative_speeds(speeds: &[f64], band: f64) -> Vec<f64> {
+        let known = |v: f64| v.is_finite() && v > 0.0;
+        let fastest = speeds
+            .iter()
+            .copied()
+            .filter(|&v| known(v))
+            .fold(0.0, f64::max);
+        speeds
+            .iter()
+            .map(|&v| {
+                if !known(v) || fastest <= 0.0 {
+                    return 1.0;
+                }
+                let r = v / fastest;
+                if r >= 1.0 - band.clamp(0.0, 1.0) {
+                    1.0
+                } else {
+                    r.max(Self::MIN_SPEED)
+                }
+            })
+            .collect()
+    }
 }
 
 impl Homes {
@@ -120,23 +159,33 @@ impl Homes {
         (own, total)
     }
 
-    /// The request rate of the groups homed on `slot` now and how many they are (each counted
-    /// up to 1 by its rate, so a group not seen for a few half-lives no longer counts), without
-    /// `own` (a group whose home is being chosen again).
+    /// The request rate of the groups homed on `worker` now and how many they are (each
+    /// counted up to 1 by its rate, so a group not seen for a few half-lives no longer
+    /// counts), both per unit of the worker's relative speed, without `own` (a group whose
+    /// home is being chosen again).
     fn homed_here(
         &self,
-        slot: usize,
+        worker: &Eligible,
         own: Option<Home>,
         now_ms: u64,
         half_life_ms: u64,
     ) -> (f64, f64) {
-        self.entries
+        let (rate, groups) = self
+            .entries
             .iter()
-            .filter(|h| usize::from(h.slot) == slot && own.is_none_or(|o| o.group != h.group))
+            .filter(|h| {
+                usize::from(h.slot) == worker.slot && own.is_none_or(|o| o.group != h.group)
+            })
             .map(|h| h.rate_at(now_ms, half_life_ms))
             .fold((0.0, 0.0), |(rate, groups), r| {
                 (rate + r, groups + r.min(1.0))
-            })
+            });
+        let speed = if worker.speed.is_finite() {
+            worker.speed.clamp(Eligible::MIN_SPEED, 1.0)
+        } else {
+            1.0
+        };
+        (rate / speed, groups / speed)
     }
 
     /// Counts one request of `group` at `now_ms` and returns its home: the recorded one while
@@ -169,7 +218,7 @@ impl Homes {
                 let own = at.and_then(|i| self.entries.get(i)).copied();
                 let homed: Vec<(f64, f64)> = eligible
                     .iter()
-                    .map(|e| self.homed_here(e.slot, own, now_ms, half_life_ms))
+                    .map(|e| self.homed_here(e, own, now_ms, half_life_ms))
                     .collect();
                 let least = homed.iter().map(|h| h.0).fold(f64::INFINITY, f64::min);
                 // Equal within a tenth of a request or, with `fewest_groups`, within the noise
@@ -234,17 +283,20 @@ impl Homes {
         Some(home.slot)
     }
 
-    /// Moves `group`'s home to the worker with the least homed rate when its home carries
-    /// more than `rule.above` times the mean homed rate of the eligible workers, and the move
-    /// leaves that worker no busier than the home it left (the group's rate is at most half
-    /// the difference, so the group does not move back at its next request). Nothing moves
-    /// before the table has seen `rule.min_total` requests (decayed). Returns the group's
-    /// home afterwards (None for a group the table does not hold).
+    /// Moves `group`'s home to the worker with the least homed rate per unit of speed when its
+    /// home carries more than `rule.above` times its fair part (the eligible workers' homed
+    /// rate shared in proportion to their speeds; with equal speeds, the mean), and the move
+    /// leaves that worker no busier per unit of speed than the home it left (with equal
+    /// speeds: the group's rate is at most half the difference) or, with unequal speeds, not
+    /// above that bound, so the group does not move back at its next request. Nothing moves before the table has seen `rule.min_total`
+    /// requests (decayed). Returns the group's home afterwards (None for a group the table
+    /// does not hold).
     ///
     /// A group gets its home at first sight, before its popularity is known: at start-up all
     /// groups arrive within a second, and 4 of 6 groups could share one of 2 workers and
     /// bring it 4 in 5 requests. With 2 workers the in-flight bound of `goes_home` never binds
-    /// (twice the mean is every request in flight), so nothing else corrects that split.
+    /// (twice the mean is every request in flight), so nothing else corrects that split. The
+    /// same start-up places homes before any worker's speed is known.
     pub fn rebalance(
         &mut self,
         group: u64,
@@ -276,15 +328,39 @@ impl Homes {
         if total < rule.min_total {
             return Some(home);
         }
-        let mean = rates.iter().map(|(_, r)| r).sum::<f64>() / rates.len() as f64;
-        let (Some(&(_, at_home)), Some(&(least, at_least))) = (
+        let speed = |e: &Eligible| {
+            if e.speed.is_finite() {
+                e.speed.clamp(Eligible::MIN_SPEED, 1.0)
+            } else {
+                1.0
+            }
+        };
+        let homed: f64 = rates.iter().map(|(_, r)| r).sum();
+        let speeds: f64 = rates.iter().map(|(e, _)| speed(e)).sum();
+        let (Some(&(at_home_worker, at_home)), Some(&(least, at_least))) = (
             rates.iter().find(|(e, _)| e.slot == home),
-            rates.iter().min_by(|a, b| a.1.total_cmp(&b.1)),
+            rates
+                .iter()
+                .min_by(|a, b| (a.1 / speed(&a.0)).total_cmp(&(b.1 / speed(&b.0)))),
         ) else {
             return Some(home);
         };
+        let (home_speed, least_speed) = (speed(&at_home_worker), speed(&least));
+        let fair = homed / speeds;
         let rate = own.rate_at(now_ms, half_life_ms);
-        if least.slot == home || at_home <= rule.above * mean || rate > (at_home - at_least) / 2.0 {
+        // After the move, per unit of speed: the worker it goes to, and the most it may carry.
+        // With unequal speeds a group's rate is a coarse step (4 groups on a fast and a slow
+        // worker: 2 and 2, or 3 and 1), so the worker it goes to may end up busier than the
+        // home it left, within the bound that would move a group off it.
+        let there = (at_least + rate) / least_speed;
+        let left = (at_home - rate) / home_speed;
+        let unequal = rates.iter().any(|(e, _)| speed(e) < 1.0);
+        let limit = if unequal {
+            left.max(rule.above * fair)
+        } else {
+            left
+        };
+        if least.slot == home || at_home / home_speed <= rule.above * fair || there > limit {
             return Some(home);
         }
         let slot = u16::try_from(least.slot).ok()?;
@@ -352,6 +428,7 @@ mod tests {
             .map(|slot| Eligible {
                 slot,
                 incarnation: 0,
+                speed: 1.0,
             })
             .collect()
     }
@@ -371,7 +448,7 @@ mod tests {
         assert_eq!(homes.visit(9, &w, 1, 30, 60_000, BY_RATE), Some(0));
         let back = Homes::decode(&homes.encode());
         assert_eq!(back, homes);
-        assert!((back.homed_here(1, None, 30, 60_000).0 - 10.0).abs() < 0.01);
+        assert!((back.homed_here(&w[1], None, 30, 60_000).0 - 10.0).abs() < 0.01);
     }
 
     /// The start-up burst of tight-256, 2 workers, seed 138 (docs/BENCHMARKS.md, fifty-first
@@ -480,11 +557,77 @@ mod tests {
             Eligible {
                 slot: 1,
                 incarnation: 1,
+                speed: 1.0,
             },
         ];
         assert_eq!(homes.visit(7, &replaced, 0, 2, 60_000, BY_RATE), Some(0));
         assert_eq!(homes.entries.len(), 1);
         assert_eq!(homes.visit(7, &[], 0, 3, 60_000, BY_RATE), None);
+    }
+
+    /// The ninety-first run (docs/BENCHMARKS.md): 2 workers, one at 0.4 times the other's
+    /// speed; placed by groups alone, the slow one got as many groups as the fast one and a
+    /// queue that grew for the whole run.
+    #[test]
+    fn a_slower_worker_is_the_least_homed_with_less_traffic() {
+        let fewest = Placement {
+            capacity: 64,
+            fewest_groups: true,
+        };
+        let speeds = Eligible::relative_speeds(&[20_000.0, 8_000.0], 0.0);
+        assert_eq!(speeds, vec![1.0, 0.4]);
+        let w: Vec<Eligible> = workers(2)
+            .into_iter()
+            .zip(&speeds)
+            .map(|(e, &speed)| Eligible { speed, ..e })
+            .collect();
+        // Ten groups, one request each, the scoring preferring the slow worker every time.
+        let mut homes = Homes::default();
+        let on: Vec<usize> = (0..10u64)
+            .filter_map(|g| homes.visit(g, &w, 1, g, 60_000, fewest))
+            .collect();
+        let slow = on.iter().filter(|&&s| s == 1).count();
+        // 1 group on the slow worker weighs 2.5: it gets the 2nd, the 5th and the 10th
+        // group or so, not every other one.
+        assert!((2..=4).contains(&slow), "{on:?}");
+        // The same workers at equal speed split the groups evenly.
+        let mut even = Homes::default();
+        let on: Vec<usize> = (0..10u64)
+            .filter_map(|g| even.visit(g, &workers(2), 1, g, 60_000, fewest))
+            .collect();
+        assert_eq!(on.iter().filter(|&&s| s == 1).count(), 5, "{on:?}");
+        // By rate alone: 5 requests homed on the slow worker count as 12.5 on the fast one.
+        let mut by_rate = Homes::default();
+        for t in 0..5 {
+            assert_eq!(by_rate.visit(1, &w, 1, t, 60_000, BY_RATE), Some(1));
+        }
+        // A second group goes to the fast worker and brings it 12 requests: still the less
+        // homed, so a third group goes there too.
+        for t in 5..17 {
+            assert_eq!(by_rate.visit(2, &w, 1, t, 60_000, BY_RATE), Some(0));
+        }
+        assert_eq!(by_rate.visit(3, &w, 1, 17, 60_000, BY_RATE), Some(0));
+        // 13 against 12.5: the next group goes to the slow worker, whatever the scoring
+        // prefers.
+        assert_eq!(by_rate.visit(4, &w, 0, 18, 60_000, BY_RATE), Some(1));
+    }
+
+    #[test]
+    fn relative_speeds_count_unknown_as_the_fastest_and_a_band_as_equal() {
+        assert_eq!(
+            Eligible::relative_speeds(&[0.0, f64::NAN, -1.0], 0.0),
+            vec![1.0, 1.0, 1.0]
+        );
+        assert_eq!(
+            Eligible::relative_speeds(&[10.0, 0.0, 5.0, 0.01], 0.0),
+            vec![1.0, 1.0, 0.5, 0.01]
+        );
+        // Within 25% of the fastest counts as equal; below it, the ratio.
+        assert_eq!(
+            Eligible::relative_speeds(&[10.0, 8.0, 7.0], 0.25),
+            vec![1.0, 1.0, 0.7]
+        );
+        assert_eq!(Eligible::relative_speeds(&[], 0.25), Vec::<f64>::new());
     }
 
     #[test]
@@ -579,6 +722,38 @@ mod tests {
         assert_eq!(homes.rebalance(2, &w[..1], 0, 60_000, MOVE), Some(0));
         assert_eq!(homes.rebalance(99, &w, 0, 60_000, MOVE), None);
         assert_eq!(homes.entries[1].slot, 0);
+    }
+
+    #[test]
+    fn with_unequal_speeds_a_group_moves_off_a_slow_home_with_more_than_its_share() {
+        // 4 groups of equal rate placed 2 and 2 before the speeds were known; worker 1 runs at
+        // 0.4 times worker 0's speed. Its fair part is 0.4 / 1.4 of the 16 requests (4.6);
+        // it carries 8.
+        let w = [
+            Eligible {
+                slot: 0,
+                incarnation: 0,
+                speed: 1.0,
+            },
+            Eligible {
+                slot: 1,
+                incarnation: 0,
+                speed: 0.4,
+            },
+        ];
+        let mut homes = table(&[(1, 0, 4.0), (2, 0, 4.0), (3, 1, 4.0), (4, 1, 4.0)]);
+        // A group on the fast worker stays.
+        assert_eq!(homes.rebalance(1, &w, 0, 60_000, MOVE), Some(0));
+        // One on the slow worker moves: the fast one carries 12 after it, more than the slow
+        // one's 10 per unit of speed, within 1.25 × 11.4.
+        assert_eq!(homes.rebalance(3, &w, 0, 60_000, MOVE), Some(0));
+        // The last one stays: the slow worker carries 10 per unit of speed, under the bound,
+        // and nothing moves back.
+        assert_eq!(homes.rebalance(4, &w, 0, 60_000, MOVE), Some(1));
+        assert_eq!(homes.rebalance(3, &w, 0, 60_000, MOVE), Some(0));
+        // At equal speeds the same table is balanced.
+        let mut even = table(&[(1, 0, 4.0), (2, 0, 4.0), (3, 1, 4.0), (4, 1, 4.0)]);
+        assert_eq!(even.rebalance(3, &workers(2), 0, 60_000, MOVE), Some(1));
     }
 
     #[test]

@@ -16,6 +16,20 @@ use crate::state::{SharedStore, cas_update};
 /// the table copies at most 6 KiB.
 const HOME_GROUPS: usize = 256;
 
+/// With `scoring.home_speed_weighted`, speeds within this fraction of the fastest worker's
+/// count as equal: a prefill speed measured from the engine's counters moves with what the
+/// worker happened to run. In the ninety-sixth run the slowest of equal workers read 0.72-0.99
+/// times the fastest's speed with 2 workers, and 0.43-0.94 with 4 and 8 (image-heavy requests
+/// read slower: the encoder's time is in the prefill time), which no band separates from a
+/// slower GPU. Hence the option is off by default.
+const SPEED_BAND: f64 = 0.25;
+
+/// With `scoring.home_speed_weighted` on a fleet of unequal speeds, a home moves when it carries
+/// more than this many times its fair part of the homed traffic (its share of the fleet's
+/// speed), where `scoring.home_rebalance_above` is off: the first groups' homes are placed
+/// before any speed is known. The value measured for `home_rebalance_above`.
+const SPEED_REBALANCE_ABOVE: f64 = 1.25;
+
 /// What [`Router::hold_home`] did with a request of a group.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum HomeOutcome {
@@ -50,23 +64,42 @@ impl Router {
         let Some(&group) = preamble.checked_sub(1).and_then(|i| keys.get(i)) else {
             return HomeOutcome::Nothing;
         };
-        let workers: Vec<Eligible> = eligible
+        let scoring = &self.config.router.scoring;
+        let live_eligible: Vec<_> = eligible
             .iter()
-            .filter_map(|&slot| {
-                live.get(slot).map(|l| Eligible {
-                    slot,
-                    incarnation: l.incarnation,
-                })
+            .filter_map(|&slot| live.get(slot).map(|l| (slot, l)))
+            .collect();
+        let speeds: Vec<f64> = live_eligible
+            .iter()
+            .map(|(_, l)| f64::from(l.prefill_tps))
+            .collect();
+        let speeds = if scoring.home_speed_weighted {
+            Eligible::relative_speeds(&speeds, SPEED_BAND)
+        } else {
+            vec![1.0; speeds.len()]
+        };
+        let workers: Vec<Eligible> = live_eligible
+            .iter()
+            .zip(speeds)
+            .map(|(&(slot, l), speed)| Eligible {
+                slot,
+                incarnation: l.incarnation,
+                speed,
             })
             .collect();
         let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
-        let scoring = &self.config.router.scoring;
         let half_life = scoring.footprint_half_life_ms;
         // Shares and moves count over at least `home_share_min_requests` per worker.
         let n = workers.len() as f64;
         let seen = scoring.home_share_min_requests * n;
+        let unequal = workers.iter().any(|w| w.speed < 1.0);
+        let above = if unequal && scoring.home_rebalance_above <= 0.0 {
+            SPEED_REBALANCE_ABOVE
+        } else {
+            scoring.home_rebalance_above
+        };
         let rule = Rebalance {
-            above: scoring.home_rebalance_above,
+            above,
             min_total: seen,
         };
         let (mut home, mut table) = (None, Homes::default());

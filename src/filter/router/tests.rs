@@ -449,6 +449,51 @@ fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_one
     assert!(spread > 0, "{went:?}");
 }
 
+/// Homes of 8 applications' first requests (each finished before the next) on 2 workers, w1
+/// at 0.4 times w0's prefill speed, with `scoring.home_speed_weighted` set to `on`: how many
+/// groups are homed on each worker.
+fn homes_on_a_mixed_fleet(on: bool) -> [usize; 2] {
+    let store = MemoryStore::default();
+    let mut c = home_hold(2, 1.0);
+    c.router.scoring.home_speed_weighted = on;
+    let mut r = start(&store, c);
+    crate::state::writer::update_live(&store, r.keys(), 0, |table| {
+        for (slot, speed) in [(0, 20_000.0), (1, 8_000.0)] {
+            if let Some(l) = table.slots.get_mut(slot) {
+                l.prefill_tps = speed;
+            }
+        }
+        true
+    });
+    for g in 0..8u32 {
+        let system = format!("You are assistant number {g}. ").repeat(20);
+        let b = with_system(&system, &png(500 + g, 600), "Describe this image.");
+        let t = u64::from(g) * 1000;
+        let d = route(&mut r, &store, &b, t, u64::from(g));
+        assert!(r.finished(&store, &d, t * 1000 + 500_000, true));
+        apply(&store, &r, t + 600);
+    }
+    let bytes = store
+        .get(&r.keys().homes())
+        .ok()
+        .flatten()
+        .map(|(b, _)| b)
+        .unwrap_or_default();
+    let table = Homes::decode(&bytes);
+    assert_eq!(table.entries.len(), 8);
+    let on_slot = |s: u16| table.entries.iter().filter(|h| h.slot == s).count();
+    [on_slot(0), on_slot(1)]
+}
+
+#[test]
+fn with_speed_weighted_homes_a_slower_worker_is_home_to_fewer_groups() {
+    // Placed by groups alone the two workers get 4 each; per unit of speed the slower one
+    // counts each of its groups as 2.5 and gets 2 or 3 of 8.
+    assert_eq!(homes_on_a_mixed_fleet(false), [4, 4]);
+    let [fast, slow] = homes_on_a_mixed_fleet(true);
+    assert!(fast >= 5 && slow <= 3, "{fast} / {slow}");
+}
+
 #[test]
 fn at_start_up_the_first_group_seen_is_held_to_its_home() {
     // Four workers, one application's first requests, none finished: the first group the
