@@ -75,6 +75,16 @@ impl Eligible {
     /// speed still counts as one hundredth.
     const MIN_SPEED: f64 = 0.01;
 
+    /// The relative speed that homed traffic is counted per: `speed` within
+    /// [`Self::MIN_SPEED`, 1], and 1 where it is not a number.
+    fn counted_speed(&self) -> f64 {
+        if self.speed.is_finite() {
+            self.speed.clamp(Self::MIN_SPEED, 1.0)
+        } else {
+            1.0
+        }
+    }
+
     /// Each worker's speed relative to the fastest one: `speeds[i] / max`, 1 for a speed
     /// that is unknown (not positive and finite), and 1 for all when no speed is known.
     /// Speeds within `band` of the fastest count as the fastest (measured speeds move with
@@ -180,11 +190,7 @@ impl Homes {
             .fold((0.0, 0.0), |(rate, groups), r| {
                 (rate + r, groups + r.min(1.0))
             });
-        let speed = if worker.speed.is_finite() {
-            worker.speed.clamp(Eligible::MIN_SPEED, 1.0)
-        } else {
-            1.0
-        };
+        let speed = worker.counted_speed();
         (rate / speed, groups / speed)
     }
 
@@ -328,13 +334,7 @@ impl Homes {
         if total < rule.min_total {
             return Some(home);
         }
-        let speed = |e: &Eligible| {
-            if e.speed.is_finite() {
-                e.speed.clamp(Eligible::MIN_SPEED, 1.0)
-            } else {
-                1.0
-            }
-        };
+        let speed = Eligible::counted_speed;
         let homed: f64 = rates.iter().map(|(_, r)| r).sum();
         let speeds: f64 = rates.iter().map(|(e, _)| speed(e)).sum();
         let (Some(&(at_home_worker, at_home)), Some(&(least, at_least))) = (
