@@ -65,28 +65,26 @@ impl Router {
             return HomeOutcome::Nothing;
         };
         let scoring = &self.config.router.scoring;
-        let live_eligible: Vec<_> = eligible
+        let mut workers: Vec<Eligible> = eligible
             .iter()
-            .filter_map(|&slot| live.get(slot).map(|l| (slot, l)))
-            .collect();
-        let speeds: Vec<f64> = live_eligible
-            .iter()
-            .map(|(_, l)| f64::from(l.prefill_tps))
-            .collect();
-        let speeds = if scoring.home_speed_weighted {
-            Eligible::relative_speeds(&speeds, SPEED_BAND)
-        } else {
-            vec![1.0; speeds.len()]
-        };
-        let workers: Vec<Eligible> = live_eligible
-            .iter()
-            .zip(speeds)
-            .map(|(&(slot, l), speed)| Eligible {
-                slot,
-                incarnation: l.incarnation,
-                speed,
+            .filter_map(|&slot| {
+                live.get(slot).map(|l| Eligible {
+                    slot,
+                    incarnation: l.incarnation,
+                    speed: 1.0,
+                })
             })
             .collect();
+        if scoring.home_speed_weighted {
+            let measured: Vec<f64> = workers
+                .iter()
+                .map(|w| live.get(w.slot).map_or(0.0, |l| f64::from(l.prefill_tps)))
+                .collect();
+            let relative = Eligible::relative_speeds(&measured, SPEED_BAND);
+            for (w, speed) in workers.iter_mut().zip(relative) {
+                w.speed = speed;
+            }
+        }
         let preferred = eligible.get(choice.index).copied().unwrap_or(usize::MAX);
         let half_life = scoring.footprint_half_life_ms;
         // Shares and moves count over at least `home_share_min_requests` per worker.
