@@ -113,7 +113,12 @@
 //!   its capacity) may carry up to
 //!   `home_fit_load_factor` (default 2) times that bound: there a short wait costs less than
 //!   the copy of the preamble, and more of the group does not evict the home's other
-//!   conversations. Past it, the request goes where the cost says.
+//!   conversations. Past it, the request goes where the cost says; and
+//! - the home's extra wait is not past `home_wait_allowance` (4) times the preamble's weighted
+//!   prefill while the chosen worker's cache holds the copy ([`wait_past_a_copy_that_fits`]).
+//!   By default this applies only with 2 candidates, where the bound above never binds
+//!   ([`ScoringConfig::home_wait_applies`]); on a fleet of two speeds it is what keeps a slow
+//!   home's queue from growing for as long as its groups send.
 //!
 //! A group gets its home at first sight, before its popularity is known, so two popular groups
 //! can share a worker, and with 2 workers the load bound above never binds. With
@@ -263,9 +268,14 @@ pub struct ScoringConfig {
     /// (default 2; 0 = off: the cost alone decides; see "Conversations" above).
     pub conversation_hold: f64,
     /// A group's request is not held to its home, within its load bound, when the home's
-    /// extra wait costs more than the preamble's weighted prefill and the chosen worker's
-    /// cache holds the copy (default false; [`wait_past_a_copy_that_fits`]).
-    pub home_wait_where_copy_fits: bool,
+    /// extra wait is more than `home_wait_allowance` times the preamble's weighted prefill
+    /// and the chosen worker's cache holds the copy ([`wait_past_a_copy_that_fits`]).
+    /// Unset (the default): on where the load bound cannot bind, with 2 candidates
+    /// ([`ScoringConfig::home_wait_applies`]); `true`: always; `false`: never.
+    pub home_wait_where_copy_fits: Option<bool>,
+    /// How many times the preamble's weighted prefill the home's extra wait may be before
+    /// `home_wait_where_copy_fits` lets the request go (default 4; at least 1).
+    pub home_wait_allowance: f64,
     /// A follow-up is not held to its conversation's worker, within the hold's bound, when
     /// that worker's extra wait costs more than the weighted prefill of the conversation the
     /// chosen worker lacks and the chosen worker's cache holds the copy (default false;
@@ -307,7 +317,8 @@ impl Default for ScoringConfig {
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
             conversation_hold: 2.0,
-            home_wait_where_copy_fits: false,
+            home_wait_where_copy_fits: None,
+            home_wait_allowance: 4.0,
             conversation_wait_where_copy_fits: false,
             home_speed_weighted: false,
         }
@@ -315,6 +326,14 @@ impl Default for ScoringConfig {
 }
 
 impl ScoringConfig {
+    /// Whether the home's wait rule (`home_wait_where_copy_fits`) applies to a request with
+    /// `candidates` workers to choose from: as set, or where unset with 2 (or fewer), where
+    /// the home's load bound, `ceil(2 × mean)` requests in flight, is every request in flight
+    /// and never binds, so that the wait is the only bound on a home.
+    pub fn home_wait_applies(&self, candidates: usize) -> bool {
+        self.home_wait_where_copy_fits.unwrap_or(candidates <= 2)
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(self.prefill_tokens_per_sec.is_finite() && self.prefill_tokens_per_sec > 0.0) {
             return Err(ConfigError::new(
@@ -339,6 +358,12 @@ impl ScoringConfig {
                     "must be a finite number >= 0",
                 ));
             }
+        }
+        if !(self.home_wait_allowance.is_finite() && self.home_wait_allowance >= 1.0) {
+            return Err(ConfigError::new(
+                "scoring.home_wait_allowance",
+                "must be a finite number >= 1",
+            ));
         }
         if !(self.home_fit_load_factor.is_finite() && self.home_fit_load_factor >= 1.0) {
             return Err(ConfigError::new(

@@ -39,9 +39,9 @@ pub enum LetGo {
     /// `home_max_shares`, and neither rule past the limit held it; `fits`: whether the
     /// home's cache holds its footprint and this request (both rules need it).
     ShareLimit { shares: f64, fits: bool },
-    /// The home's extra wait (`extra_s`) costs more than the preamble's weighted prefill
-    /// (`pays_s`), and the chosen worker's cache holds the copy
-    /// (`scoring.home_wait_where_copy_fits`).
+    /// The home's extra wait (`extra_s`) is longer than the wait the preamble allows
+    /// (`pays_s`: `home_wait_allowance` times its weighted prefill), and the chosen worker's
+    /// cache holds the copy (`scoring.home_wait_where_copy_fits`).
     Wait { extra_s: f64, pays_s: f64 },
 }
 
@@ -52,7 +52,7 @@ impl LetGo {
                 format!("{carries:.0} in flight there past its bound of {bound:.0}")
             }
             LetGo::Wait { extra_s, pays_s } => format!(
-                "its wait there is {:.1} ms longer, past the preamble's {:.1} ms, and the copy fits here",
+                "its wait there is {:.1} ms longer, past the {:.1} ms its preamble allows, and the copy fits here",
                 extra_s * 1e3,
                 pays_s * 1e3
             ),

@@ -301,12 +301,18 @@ fn a_follow_up_waits_on_its_conversations_worker_only_while_the_wait_costs_less_
 }
 
 /// A group's request whose home (where its first request went) has a long prefill queue,
-/// on 4 workers with `scoring.home_wait_where_copy_fits` set to `on`: the decision, and
-/// the home.
-fn group_request_behind_a_queue(on: bool) -> (Decision, usize) {
-    let store = MemoryStore::default();
+/// on 4 workers with `scoring.home_wait_where_copy_fits` set to `on` and
+/// `scoring.home_wait_allowance` to `allowance`: the decision, and the home.
+fn group_request_behind_a_queue(on: bool, allowance: f64) -> (Decision, usize) {
     let mut c = home_hold(4, 1.0);
-    c.router.scoring.home_wait_where_copy_fits = on;
+    c.router.scoring.home_wait_where_copy_fits = Some(on);
+    c.router.scoring.home_wait_allowance = allowance;
+    group_request_behind_a_queue_with(c)
+}
+
+/// [`group_request_behind_a_queue`] with configuration `c`.
+fn group_request_behind_a_queue_with(mut c: FilterConfig) -> (Decision, usize) {
+    let store = MemoryStore::default();
     // The hold on a conversation is tested on its own.
     c.router.scoring.conversation_hold = 0.0;
     let mut r = start(&store, c);
@@ -330,10 +336,10 @@ fn group_request_behind_a_queue(on: bool) -> (Decision, usize) {
 
 #[test]
 fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fits() {
-    let (held, home) = group_request_behind_a_queue(false);
+    let (held, home) = group_request_behind_a_queue(false, 1.0);
     assert_eq!(held.target.slot, home);
     assert!(held.home, "{}", held.log_line());
-    let (away, home) = group_request_behind_a_queue(true);
+    let (away, home) = group_request_behind_a_queue(true, 1.0);
     assert_ne!(away.target.slot, home);
     assert!(!away.home);
     let Some((name, LetGo::Wait { extra_s, pays_s })) = &away.home_let_go else {
@@ -347,6 +353,58 @@ fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fit
         )),
         "{}",
         away.log_line()
+    );
+}
+
+#[test]
+fn by_default_the_wait_bounds_a_home_only_where_its_load_bound_cannot_with_two_workers() {
+    // The same second of queue at home, the defaults otherwise: with 2 workers (the load
+    // bound is every request in flight) the request leaves; with 4 it is held.
+    let (away, home) = group_request_behind_a_queue_with(home_hold(2, 1.0));
+    assert_ne!(away.target.slot, home, "{}", away.log_line());
+    let Some((name, LetGo::Wait { extra_s, pays_s })) = &away.home_let_go else {
+        panic!("let go for its wait: {:?}", away.home_let_go);
+    };
+    assert_eq!(*name, format!("w{home}"));
+    assert!(*extra_s > 0.9 && extra_s > pays_s, "{extra_s} {pays_s}");
+    assert!(
+        away.log_line()
+            .contains("ms its preamble allows, and the copy fits here"),
+        "{}",
+        away.log_line()
+    );
+    let (held, home) = group_request_behind_a_queue_with(home_hold(4, 1.0));
+    assert_eq!(held.target.slot, home, "{}", held.log_line());
+    assert!(held.home && held.home_let_go.is_none());
+}
+
+#[test]
+fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
+    // The same second of queue at home: let go where it is past the preamble's weighted
+    // prefill, held where the allowance makes room for it.
+    let (away, home) = group_request_behind_a_queue(true, 1.0);
+    let Some((_, LetGo::Wait { extra_s, pays_s })) = away.home_let_go else {
+        panic!("let go for its wait: {:?}", away.home_let_go);
+    };
+    assert_ne!(away.target.slot, home);
+    let allowance = 1.5 * extra_s / pays_s;
+    let (held, home) = group_request_behind_a_queue(true, allowance);
+    assert_eq!(held.target.slot, home, "{}", held.log_line());
+    assert!(held.home && held.home_let_go.is_none());
+    // Just under the wait: let go, and the log names the allowed wait.
+    let (away, _) = group_request_behind_a_queue(true, 0.9 * extra_s / pays_s);
+    let Some((
+        _,
+        LetGo::Wait {
+            pays_s: allowed_s, ..
+        },
+    )) = away.home_let_go
+    else {
+        panic!("let go for its wait: {:?}", away.home_let_go);
+    };
+    assert!(
+        (allowed_s - 0.9 * extra_s).abs() < 1e-6 * extra_s,
+        "{allowed_s} {extra_s}"
     );
 }
 
@@ -575,6 +633,8 @@ fn bounded_home(fit_load_factor: f64, capacity_blocks: u32) -> FilterConfig {
     config.router.scoring.home_share_min_requests = 0.0;
     config.router.scoring.home_fit_load_factor = fit_load_factor;
     config.state.capacity_blocks = capacity_blocks;
+    // The load bound alone (the wait rule, on by default with 2 workers, is tested on its own).
+    config.router.scoring.home_wait_where_copy_fits = Some(false);
     config
 }
 
@@ -661,6 +721,9 @@ fn a_group_whose_home_carries_far_more_than_the_mean_moves_to_the_idler_worker()
         let store = MemoryStore::default();
         let mut config = home_hold(2, 1.0);
         config.router.scoring.home_rebalance_above = above;
+        // Without the rule the hold takes it back to A: the wait rule (on by default with 2
+        // workers) would let it go for A's queue, and is tested on its own.
+        config.router.scoring.home_wait_where_copy_fits = Some(false);
         let mut r = start(&store, config);
         // Each application's first request (finished) gives it a home: one worker gets two.
         let mut first = Vec::new();
