@@ -40,9 +40,9 @@ pub enum LetGo {
     /// home's cache holds its footprint and this request (both rules need it).
     ShareLimit { shares: f64, fits: bool },
     /// The home's extra wait (`extra_s`) is longer than the wait the preamble allows
-    /// (`pays_s`: `home_wait_allowance` times its weighted prefill), and the chosen worker's
-    /// cache holds the copy (`scoring.home_wait_where_copy_fits`).
-    Wait { extra_s: f64, pays_s: f64 },
+    /// (`allowed_s`: `home_wait_allowance` times its weighted prefill), and the chosen
+    /// worker's cache holds the copy (`scoring.home_wait_where_copy_fits`).
+    Wait { extra_s: f64, allowed_s: f64 },
 }
 
 impl LetGo {
@@ -51,10 +51,10 @@ impl LetGo {
             LetGo::LoadBound { carries, bound } => {
                 format!("{carries:.0} in flight there past its bound of {bound:.0}")
             }
-            LetGo::Wait { extra_s, pays_s } => format!(
+            LetGo::Wait { extra_s, allowed_s } => format!(
                 "its wait there is {:.1} ms longer, past the {:.1} ms its preamble allows, and the copy fits here",
                 extra_s * 1e3,
-                pays_s * 1e3
+                allowed_s * 1e3
             ),
             LetGo::ShareLimit { shares, fits } => format!(
                 "its group has {shares:.1} workers' shares of the traffic{}",

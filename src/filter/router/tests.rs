@@ -342,7 +342,14 @@ fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fit
     let (away, home) = group_request_behind_a_queue(true, 1.0);
     assert_ne!(away.target.slot, home);
     assert!(!away.home);
-    let Some((name, LetGo::Wait { extra_s, pays_s })) = &away.home_let_go else {
+    let Some((
+        name,
+        LetGo::Wait {
+            extra_s,
+            allowed_s: pays_s,
+        },
+    )) = &away.home_let_go
+    else {
         panic!("let go for its wait: {:?}", away.home_let_go);
     };
     assert_eq!(*name, format!("w{home}"));
@@ -362,11 +369,14 @@ fn by_default_the_wait_bounds_a_home_only_where_its_load_bound_cannot_with_two_w
     // bound is every request in flight) the request leaves; with 4 it is held.
     let (away, home) = group_request_behind_a_queue_with(home_hold(2, 1.0));
     assert_ne!(away.target.slot, home, "{}", away.log_line());
-    let Some((name, LetGo::Wait { extra_s, pays_s })) = &away.home_let_go else {
+    let Some((name, LetGo::Wait { extra_s, allowed_s })) = &away.home_let_go else {
         panic!("let go for its wait: {:?}", away.home_let_go);
     };
     assert_eq!(*name, format!("w{home}"));
-    assert!(*extra_s > 0.9 && extra_s > pays_s, "{extra_s} {pays_s}");
+    assert!(
+        *extra_s > 0.9 && extra_s > allowed_s,
+        "{extra_s} {allowed_s}"
+    );
     assert!(
         away.log_line()
             .contains("ms its preamble allows, and the copy fits here"),
@@ -383,7 +393,14 @@ fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
     // The same second of queue at home: let go where it is past the preamble's weighted
     // prefill, held where the allowance makes room for it.
     let (away, home) = group_request_behind_a_queue(true, 1.0);
-    let Some((_, LetGo::Wait { extra_s, pays_s })) = away.home_let_go else {
+    let Some((
+        _,
+        LetGo::Wait {
+            extra_s,
+            allowed_s: pays_s,
+        },
+    )) = away.home_let_go
+    else {
         panic!("let go for its wait: {:?}", away.home_let_go);
     };
     assert_ne!(away.target.slot, home);
@@ -393,13 +410,7 @@ fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
     assert!(held.home && held.home_let_go.is_none());
     // Just under the wait: let go, and the log names the allowed wait.
     let (away, _) = group_request_behind_a_queue(true, 0.9 * extra_s / pays_s);
-    let Some((
-        _,
-        LetGo::Wait {
-            pays_s: allowed_s, ..
-        },
-    )) = away.home_let_go
-    else {
+    let Some((_, LetGo::Wait { allowed_s, .. })) = away.home_let_go else {
         panic!("let go for its wait: {:?}", away.home_let_go);
     };
     assert!(
