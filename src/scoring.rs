@@ -629,15 +629,17 @@ pub fn wait_against_recompute(
 
 /// What the holds' wait rules (`home_wait_where_copy_fits`,
 /// `conversation_wait_where_copy_fits`) let a request go for: candidate `at`'s extra wait and
-/// the weighted prefill of `blocks` ([`wait_against_recompute`]), where the wait costs more
-/// and the chosen worker's cache holds a copy of the request's new blocks on top of what it
-/// took recently (as [`home_holds_its_footprint`] asks of a home: the copy evicts nothing
-/// another request would find). None where the hold stands.
+/// the wait it is allowed (`allowance` times the weighted prefill of `blocks`,
+/// [`wait_against_recompute`]), where the wait is longer and the chosen worker's cache holds a
+/// copy of the request's new blocks on top of what it took recently (as
+/// [`home_holds_its_footprint`] asks of a home: the copy evicts nothing another request would
+/// find). None where the hold stands.
 pub fn wait_past_a_copy_that_fits(
     choice: &Choice,
     candidates: &[Candidate],
     at: usize,
     blocks: usize,
+    allowance: f64,
     config: &ScoringConfig,
 ) -> Option<(f64, f64)> {
     let chosen = candidates.get(choice.index)?;
@@ -645,7 +647,8 @@ pub fn wait_past_a_copy_that_fits(
         return None;
     }
     wait_against_recompute(choice, candidates, at, blocks, config)
-        .filter(|(extra_s, pays_s)| extra_s > pays_s)
+        .map(|(extra_s, pays_s)| (extra_s, pays_s * allowance))
+        .filter(|(extra_s, allowed_s)| extra_s > allowed_s)
 }
 
 /// The weight of a recompute in the cost: `recompute_weight`, times one plus the requests in

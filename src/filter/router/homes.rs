@@ -131,10 +131,14 @@ impl Router {
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
         // prefill once; a long queue at home costs the request its wait.
         if scoring.home_wait_applies(candidates.len())
-            && let Some((extra_s, allowed_s)) =
-                wait_past_a_copy_that_fits(choice, candidates, index, preamble, scoring)
-                    .map(|(extra_s, pays_s)| (extra_s, pays_s * scoring.home_wait_allowance))
-                    .filter(|(extra_s, allowed_s)| extra_s > allowed_s)
+            && let Some((extra_s, allowed_s)) = wait_past_a_copy_that_fits(
+                choice,
+                candidates,
+                index,
+                preamble,
+                scoring.home_wait_allowance,
+                scoring,
+            )
         {
             return HomeOutcome::LetGo(slot, LetGo::Wait { extra_s, allowed_s });
         }

@@ -388,7 +388,7 @@ impl Router {
             .map_or(continued, |c| continued.saturating_sub(c.matched_blocks));
         if scoring.conversation_wait_where_copy_fits
             && let Some((extra_s, pays_s)) =
-                wait_past_a_copy_that_fits(choice, candidates, at, lacks, scoring)
+                wait_past_a_copy_that_fits(choice, candidates, at, lacks, 1.0, scoring)
         {
             return Some(Conversation::LetGoWait {
                 name,
