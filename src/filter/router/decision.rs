@@ -89,6 +89,10 @@ pub struct Decision {
     /// The best-matched worker when another was chosen: its name, matched blocks and estimate
     /// (what the decision weighed against).
     pub passed_over: Option<(String, usize, Estimate)>,
+    /// The cost's own choice when a hold (`scoring.home_hold`, `scoring.conversation_hold`)
+    /// sent the request elsewhere: its name, matched blocks and estimate (what the hold
+    /// overruled).
+    pub overruled: Option<(String, usize, Estimate)>,
     /// In precise mode, the worker that holds the longest prefix of the request now, when
     /// the prefill queued ahead of the request there will evict part of it before the engine
     /// admits it: its name, the blocks it holds now and the blocks left at admission (what
@@ -240,7 +244,20 @@ impl Decision {
                     )),
                     None => {}
                 }
-                if let Some((name, matched, alt)) = &self.passed_over {
+                if let Some((name, matched, alt)) = &self.overruled {
+                    line.push_str(&format!(
+                        "; over the cost's choice {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms < {:.1} ms",
+                        self.total_blocks,
+                        alt.wait_s * 1e3,
+                        alt.cost_s * 1e3,
+                        e.cost_s * 1e3,
+                    ));
+                }
+                if let Some((name, matched, alt)) = self
+                    .passed_over
+                    .as_ref()
+                    .filter(|p| self.overruled.as_ref().is_none_or(|o| o.0 != p.0))
+                {
                     line.push_str(&format!(
                         "; passed over {name} with {matched}/{} blocks: wait {:.1} ms, cost {:.1} ms > {:.1} ms",
                         self.total_blocks,

@@ -196,6 +196,7 @@ impl Router {
             block_size,
         };
         let mut choice = choose(request, &candidates, &self.config.router.scoring, random)?;
+        let cost_choice = choice.index;
         let outcome = if self.config.router.scoring.home_hold {
             self.hold_home(
                 keys,
@@ -286,11 +287,15 @@ impl Router {
                 ),
             )
             .is_ok();
-        let passed_over = choice.passed_over(&candidates).and_then(|i| {
+        let named = |i: usize| {
             let s = *eligible.get(i)?;
             let t = self.target(s)?;
             Some((t.name, prefix.depth(s), *choice.estimates.get(i)?))
-        });
+        };
+        let passed_over = choice.passed_over(&candidates).and_then(named);
+        let overruled = (choice.index != cost_choice)
+            .then(|| named(cost_choice))
+            .flatten();
         let cut_at_admission = longest_held
             .filter(|&(s, held)| prefix.depth(s) < held)
             .and_then(|(s, held)| Some((self.target(s)?.name, held, prefix.depth(s))));
@@ -307,6 +312,7 @@ impl Router {
             total_blocks: keys.len(),
             estimate,
             passed_over,
+            overruled,
             cut_at_admission,
             prefill_window: end.map(|e| (e.saturating_sub(prefill_us), e)),
             stream: analysis.stream,
@@ -470,6 +476,7 @@ impl Router {
             total_blocks: 0,
             estimate: Estimate::default(),
             passed_over: None,
+            overruled: None,
             cut_at_admission: None,
             prefill_window: None,
             stream: false,

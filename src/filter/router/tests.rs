@@ -250,6 +250,12 @@ fn a_follow_up_goes_back_to_its_conversation_within_the_holds_bound() {
         "{}",
         back.log_line()
     );
+    assert!(
+        matches!(&back.overruled, Some((n, _, alt)) if *n == moved.target.name && alt.cost_s < back.estimate.cost_s),
+        "{}",
+        back.log_line()
+    );
+    assert!(back.log_line().contains("; over the cost's choice"));
     // 4 in flight there: 5 with it, past twice the bound (ceil(2 × 5 / 8) = 2, the floor).
     let (away, home) = follow_up_behind_a_queue(2.0, 4);
     assert_ne!(away.target.slot, home);
@@ -339,6 +345,18 @@ fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fit
     let (held, home) = group_request_behind_a_queue(false, 1.0);
     assert_eq!(held.target.slot, home);
     assert!(held.home, "{}", held.log_line());
+    // The log names what the hold overruled: the cost's own choice, cheaper than the home.
+    let Some((cost_choice, _, alt)) = &held.overruled else {
+        panic!("the hold overruled the cost: {}", held.log_line());
+    };
+    assert_ne!(*cost_choice, format!("w{home}"));
+    assert!(alt.cost_s < held.estimate.cost_s);
+    assert!(
+        held.log_line()
+            .contains(&format!("; over the cost's choice {cost_choice} with 0/")),
+        "{}",
+        held.log_line()
+    );
     let (away, home) = group_request_behind_a_queue(true, 1.0);
     assert_ne!(away.target.slot, home);
     assert!(!away.home);
