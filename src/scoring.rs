@@ -115,8 +115,9 @@
 //!   the copy of the preamble, and more of the group does not evict the home's other
 //!   conversations. Past it, the request goes where the cost says; and
 //! - the home's extra wait is not past `home_wait_allowance` (4) times the preamble's weighted
-//!   prefill while the chosen worker's cache holds the copy ([`wait_past_a_copy_that_fits`]).
-//!   By default this applies only with 2 candidates, where the bound above never binds
+//!   prefill while the chosen worker's cache holds the copy, or the copy is at most
+//!   `small_copy_share` (1/16) of that cache ([`wait_past_a_copy_that_fits`]). By default
+//!   this applies only with 2 candidates, where the bound above never binds
 //!   ([`ScoringConfig::home_wait_applies`]); on a fleet of two speeds it is what keeps a slow
 //!   home's queue from growing for as long as its groups send.
 //!
@@ -276,6 +277,14 @@ pub struct ScoringConfig {
     /// How many times the preamble's weighted prefill the home's extra wait may be before
     /// `home_wait_where_copy_fits` lets the request go (default 4; at least 1).
     pub home_wait_allowance: f64,
+    /// The holds' wait rules ([`wait_past_a_copy_that_fits`]) also count a copy as fitting
+    /// where its new blocks are at most this share of the chosen worker's KV capacity,
+    /// whatever that worker took recently (default 1/16; 0: only the footprint test). Under a
+    /// load that turns a cache over in seconds the footprint never fits, and a slow home's
+    /// queue held its groups for 1-1.6 s more than a copy of a few dozen blocks would cost
+    /// (docs/BENCHMARKS.md, hundred-and-tenth run); 1/8 evicted what tight caches' next
+    /// requests wanted.
+    pub small_copy_share: f64,
     /// A follow-up is not held to its conversation's worker, within the hold's bound, when
     /// that worker's extra wait costs more than the weighted prefill of the conversation the
     /// chosen worker lacks and the chosen worker's cache holds the copy (default false;
@@ -319,6 +328,7 @@ impl Default for ScoringConfig {
             conversation_hold: 2.0,
             home_wait_where_copy_fits: None,
             home_wait_allowance: 4.0,
+            small_copy_share: 1.0 / 16.0,
             conversation_wait_where_copy_fits: false,
             home_speed_weighted: false,
         }
@@ -375,6 +385,12 @@ impl ScoringConfig {
             return Err(ConfigError::new(
                 "scoring.home_fit_max_traffic",
                 "must be a fraction of the traffic, 0 to 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.small_copy_share) {
+            return Err(ConfigError::new(
+                "scoring.small_copy_share",
+                "must be a share of the capacity, 0 to 1",
             ));
         }
         if self.home_rebalance_above > 0.0 && self.home_rebalance_above < 1.0 {
@@ -627,13 +643,26 @@ pub fn wait_against_recompute(
     ))
 }
 
+/// A hold's wait past what it is allowed, where a copy on the chosen worker fits
+/// ([`wait_past_a_copy_that_fits`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WaitPast {
+    /// The held worker's extra wait over the chosen worker's, seconds.
+    pub extra_s: f64,
+    /// The wait the hold allows, seconds.
+    pub allowed_s: f64,
+    /// The copy counts as fitting only for being small ([`copy_is_small`]).
+    pub small: bool,
+}
+
 /// What the holds' wait rules (`home_wait_where_copy_fits`,
 /// `conversation_wait_where_copy_fits`) let a request go for: candidate `at`'s extra wait and
 /// the wait it is allowed (`allowance` times the weighted prefill of `blocks`,
 /// [`wait_against_recompute`]), where the wait is longer and the chosen worker's cache holds a
 /// copy of the request's new blocks on top of what it took recently (as
 /// [`home_holds_its_footprint`] asks of a home: the copy evicts nothing another request would
-/// find). None where the hold stands.
+/// find), or the copy is small ([`copy_is_small`]: a cache that turns over anyway loses little
+/// to it). None where the hold stands.
 pub fn wait_past_a_copy_that_fits(
     choice: &Choice,
     candidates: &[Candidate],
@@ -641,14 +670,28 @@ pub fn wait_past_a_copy_that_fits(
     blocks: usize,
     allowance: f64,
     config: &ScoringConfig,
-) -> Option<(f64, f64)> {
+) -> Option<WaitPast> {
     let chosen = candidates.get(choice.index)?;
-    if !home_holds_its_footprint(choice, chosen, config) {
+    let fits = home_holds_its_footprint(choice, chosen, config);
+    let small = !fits && copy_is_small(choice, chosen, config);
+    if !fits && !small {
         return None;
     }
-    wait_against_recompute(choice, candidates, at, blocks, config)
-        .map(|(extra_s, pays_s)| (extra_s, pays_s * allowance))
-        .filter(|(extra_s, allowed_s)| extra_s > allowed_s)
+    let (extra_s, pays_s) = wait_against_recompute(choice, candidates, at, blocks, config)?;
+    let allowed_s = pays_s * allowance;
+    (extra_s > allowed_s).then_some(WaitPast {
+        extra_s,
+        allowed_s,
+        small,
+    })
+}
+
+/// Whether the request's new blocks on `chosen` are at most `small_copy_share` of its KV
+/// capacity (unknown capacity: no).
+pub fn copy_is_small(choice: &Choice, chosen: &Candidate, config: &ScoringConfig) -> bool {
+    let new_blocks = choice.request_blocks.saturating_sub(chosen.matched_blocks) as f64;
+    known(chosen.capacity_blocks)
+        .is_some_and(|capacity| new_blocks <= capacity * config.small_copy_share)
 }
 
 /// The weight of a recompute in the cost: `recompute_weight`, times one plus the requests in

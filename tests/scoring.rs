@@ -72,6 +72,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_wait_where_copy_fits, None);
     assert!(c.home_wait_applies(2) && !c.home_wait_applies(3));
     assert_eq!(c.home_wait_allowance, 4.0);
+    assert_eq!(c.small_copy_share, 1.0 / 16.0);
     assert!(!c.conversation_wait_where_copy_fits);
     assert!(!c.home_speed_weighted);
     assert!(c.validate().is_ok());
@@ -283,6 +284,14 @@ fn validation_names_bad_values() {
         (
             r#"{"scoring":{"home_fit_max_traffic":1.5}}"#,
             "scoring.home_fit_max_traffic",
+        ),
+        (
+            r#"{"scoring":{"small_copy_share":2}}"#,
+            "scoring.small_copy_share",
+        ),
+        (
+            r#"{"scoring":{"small_copy_share":-0.1}}"#,
+            "scoring.small_copy_share",
         ),
         (
             r#"{"scoring":{"conversation_hold":-1}}"#,

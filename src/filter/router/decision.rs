@@ -41,8 +41,13 @@ pub enum LetGo {
     ShareLimit { shares: f64, fits: bool },
     /// The home's extra wait (`extra_s`) is longer than the wait the preamble allows
     /// (`allowed_s`: `home_wait_allowance` times its weighted prefill), and the chosen
-    /// worker's cache holds the copy (`scoring.home_wait_where_copy_fits`).
-    Wait { extra_s: f64, allowed_s: f64 },
+    /// worker's cache holds the copy (`scoring.home_wait_where_copy_fits`); `small`: it
+    /// counts as held only for being at most `scoring.small_copy_share` of that cache.
+    Wait {
+        extra_s: f64,
+        allowed_s: f64,
+        small: bool,
+    },
 }
 
 impl LetGo {
@@ -51,10 +56,15 @@ impl LetGo {
             LetGo::LoadBound { carries, bound } => {
                 format!("{carries:.0} in flight there past its bound of {bound:.0}")
             }
-            LetGo::Wait { extra_s, allowed_s } => format!(
-                "its wait there is {:.1} ms longer, past the {:.1} ms its preamble allows, and the copy fits here",
+            LetGo::Wait {
+                extra_s,
+                allowed_s,
+                small,
+            } => format!(
+                "its wait there is {:.1} ms longer, past the {:.1} ms its preamble allows, and {}",
                 extra_s * 1e3,
-                allowed_s * 1e3
+                allowed_s * 1e3,
+                copy_here(*small)
             ),
             LetGo::ShareLimit { shares, fits } => format!(
                 "its group has {shares:.1} workers' shares of the traffic{}",
@@ -141,12 +151,23 @@ pub enum Conversation {
     },
     /// Not sent back to this worker: its wait is `extra_s` longer than the chosen worker's,
     /// past the conversation's weighted prefill there (`pays_s`), and the copy fits there
-    /// (`scoring.conversation_wait_where_copy_fits`).
+    /// (`scoring.conversation_wait_where_copy_fits`; `small` as in [`LetGo::Wait`]).
     LetGoWait {
         name: String,
         extra_s: f64,
         pays_s: f64,
+        small: bool,
     },
+}
+
+/// How the decision log says a copy fits on the chosen worker: its cache holds it on top of
+/// what the worker took recently, or it is small (`scoring.small_copy_share`).
+fn copy_here(small: bool) -> &'static str {
+    if small {
+        "the copy is a small share of the cache here"
+    } else {
+        "the copy fits here"
+    }
 }
 
 /// The blocks a routed request holds on its worker until it ends.
@@ -237,10 +258,12 @@ impl Decision {
                         name,
                         extra_s,
                         pays_s,
+                        small,
                     }) => line.push_str(&format!(
-                        "; not back to its conversation on {name}: its wait there is {:.1} ms longer, past the conversation's {:.1} ms, and the copy fits here",
+                        "; not back to its conversation on {name}: its wait there is {:.1} ms longer, past the conversation's {:.1} ms, and {}",
                         extra_s * 1e3,
-                        pays_s * 1e3
+                        pays_s * 1e3,
+                        copy_here(*small)
                     )),
                     None => {}
                 }

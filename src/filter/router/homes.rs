@@ -131,7 +131,7 @@ impl Router {
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
         // prefill once; a long queue at home costs the request its wait.
         if scoring.home_wait_applies(candidates.len())
-            && let Some((extra_s, allowed_s)) = wait_past_a_copy_that_fits(
+            && let Some(past) = wait_past_a_copy_that_fits(
                 choice,
                 candidates,
                 index,
@@ -140,7 +140,14 @@ impl Router {
                 scoring,
             )
         {
-            return HomeOutcome::LetGo(slot, LetGo::Wait { extra_s, allowed_s });
+            return HomeOutcome::LetGo(
+                slot,
+                LetGo::Wait {
+                    extra_s: past.extra_s,
+                    allowed_s: past.allowed_s,
+                    small: past.small,
+                },
+            );
         }
         // A group with clearly more than one worker's share of the traffic (one application's
         // system prompt on every request, say) cannot keep to one worker whose cache turns

@@ -393,13 +393,14 @@ impl Router {
             .get(choice.index)
             .map_or(continued, |c| continued.saturating_sub(c.matched_blocks));
         if scoring.conversation_wait_where_copy_fits
-            && let Some((extra_s, pays_s)) =
+            && let Some(past) =
                 wait_past_a_copy_that_fits(choice, candidates, at, lacks, 1.0, scoring)
         {
             return Some(Conversation::LetGoWait {
                 name,
-                extra_s,
-                pays_s,
+                extra_s: past.extra_s,
+                pays_s: past.allowed_s,
+                small: past.small,
             });
         }
         choice.prefer(at);

@@ -290,6 +290,7 @@ fn a_follow_up_waits_on_its_conversations_worker_only_while_the_wait_costs_less_
         name,
         extra_s,
         pays_s,
+        small: false,
     }) = &away.conversation
     else {
         panic!("let go for its wait: {:?}", away.conversation);
@@ -317,7 +318,16 @@ fn group_request_behind_a_queue(on: bool, allowance: f64) -> (Decision, usize) {
 }
 
 /// [`group_request_behind_a_queue`] with configuration `c`.
-fn group_request_behind_a_queue_with(mut c: FilterConfig) -> (Decision, usize) {
+fn group_request_behind_a_queue_with(c: FilterConfig) -> (Decision, usize) {
+    group_request_behind(c, |_, _| {})
+}
+
+/// [`group_request_behind_a_queue_with`], `before_next` called just before the second
+/// request is routed.
+fn group_request_behind(
+    mut c: FilterConfig,
+    before_next: impl Fn(&MemoryStore, &Router),
+) -> (Decision, usize) {
     let store = MemoryStore::default();
     // The hold on a conversation is tested on its own.
     c.router.scoring.conversation_hold = 0.0;
@@ -336,6 +346,7 @@ fn group_request_behind_a_queue_with(mut c: FilterConfig) -> (Decision, usize) {
     // One request in flight there (within the load bound's floor of 2) with a second of
     // prefill queued: far longer than the preamble's copy elsewhere.
     LoadTable::new(r.keys().load()).route(&store, home, 1_000_000, 1_000_000, 0);
+    before_next(&store, &r);
     let next = with_system(&system, &png(401, 300), "Describe this image.");
     (route(&mut r, &store, &next, 1000, 0), home)
 }
@@ -365,6 +376,7 @@ fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fit
         LetGo::Wait {
             extra_s,
             allowed_s: pays_s,
+            small: false,
         },
     )) = &away.home_let_go
     else {
@@ -387,7 +399,15 @@ fn by_default_the_wait_bounds_a_home_only_where_its_load_bound_cannot_with_two_w
     // bound is every request in flight) the request leaves; with 4 it is held.
     let (away, home) = group_request_behind_a_queue_with(home_hold(2, 1.0));
     assert_ne!(away.target.slot, home, "{}", away.log_line());
-    let Some((name, LetGo::Wait { extra_s, allowed_s })) = &away.home_let_go else {
+    let Some((
+        name,
+        LetGo::Wait {
+            extra_s,
+            allowed_s,
+            small: false,
+        },
+    )) = &away.home_let_go
+    else {
         panic!("let go for its wait: {:?}", away.home_let_go);
     };
     assert_eq!(*name, format!("w{home}"));
@@ -407,6 +427,58 @@ fn by_default_the_wait_bounds_a_home_only_where_its_load_bound_cannot_with_two_w
 }
 
 #[test]
+fn a_small_copy_is_let_go_from_a_slow_home_where_the_cache_turns_over() {
+    // The same second of queue at home with 2 workers, and both workers took a whole cache's
+    // worth of new blocks in the last moment (a cache that turns over in seconds): the copy
+    // never fits on top of that. Where it is at most `small_copy_share` (1/16) of the cache
+    // it is let go anyway; a larger one, or with the share at 0, the hold stands.
+    let blocks = group_request_behind_a_queue_with(home_hold(2, 1.0))
+        .0
+        .total_blocks as u32;
+    let run = |capacity: u32, share: f64| {
+        let mut c = home_hold(2, 1.0);
+        c.state.capacity_blocks = capacity;
+        c.router.scoring.small_copy_share = share;
+        let half_life = c.router.scoring.footprint_half_life_ms;
+        group_request_behind(c, move |store, r| {
+            crate::state::writer::update_live(store, r.keys(), 0, |t| {
+                for l in t.slots.iter_mut() {
+                    l.add_footprint(f64::from(capacity), 1000, half_life);
+                }
+                true
+            });
+        })
+    };
+    let default_share = crate::scoring::ScoringConfig::default().small_copy_share;
+    let (away, home) = run(20 * blocks, default_share);
+    assert_ne!(away.target.slot, home, "{}", away.log_line());
+    let Some((name, LetGo::Wait { small: true, .. })) = &away.home_let_go else {
+        panic!("let go for a small copy: {}", away.log_line());
+    };
+    assert_eq!(*name, format!("w{home}"));
+    assert!(
+        away.log_line()
+            .contains("ms its preamble allows, and the copy is a small share of the cache here"),
+        "{}",
+        away.log_line()
+    );
+    for (capacity, share) in [(20 * blocks, 0.0), (8 * blocks, default_share)] {
+        let (held, home) = run(capacity, share);
+        assert_eq!(
+            held.target.slot,
+            home,
+            "{capacity} {share}: {}",
+            held.log_line()
+        );
+        assert!(
+            held.home && held.home_let_go.is_none(),
+            "{}",
+            held.log_line()
+        );
+    }
+}
+
+#[test]
 fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
     // The same second of queue at home: let go where it is past the preamble's weighted
     // prefill, held where the allowance makes room for it.
@@ -416,6 +488,7 @@ fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
         LetGo::Wait {
             extra_s,
             allowed_s: pays_s,
+            ..
         },
     )) = away.home_let_go
     else {
