@@ -1,7 +1,7 @@
 //! What the router decided for one request: the worker, the estimate it weighed, what the
 //! request holds on the worker until it ends, or why it was routed without its cache affinity.
 
-use crate::scoring::Estimate;
+use crate::scoring::{Estimate, WaitPast};
 
 /// Why a request was routed without its cache affinity (to the least-loaded worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,15 +39,10 @@ pub enum LetGo {
     /// `home_max_shares`, and neither rule past the limit held it; `fits`: whether the
     /// home's cache holds its footprint and this request (both rules need it).
     ShareLimit { shares: f64, fits: bool },
-    /// The home's extra wait (`extra_s`) is longer than the wait the preamble allows
-    /// (`allowed_s`: `home_wait_allowance` times its weighted prefill), and the chosen
-    /// worker's cache holds the copy (`scoring.home_wait_where_copy_fits`); `small`: it
-    /// counts as held only for being at most `scoring.small_copy_share` of that cache.
-    Wait {
-        extra_s: f64,
-        allowed_s: f64,
-        small: bool,
-    },
+    /// The home's extra wait is longer than the wait the preamble allows
+    /// (`home_wait_allowance` times its weighted prefill), and the chosen worker's cache holds
+    /// the copy (`scoring.home_wait_where_copy_fits`).
+    Wait(WaitPast),
 }
 
 impl LetGo {
@@ -56,15 +51,11 @@ impl LetGo {
             LetGo::LoadBound { carries, bound } => {
                 format!("{carries:.0} in flight there past its bound of {bound:.0}")
             }
-            LetGo::Wait {
-                extra_s,
-                allowed_s,
-                small,
-            } => format!(
+            LetGo::Wait(past) => format!(
                 "its wait there is {:.1} ms longer, past the {:.1} ms its preamble allows, and {}",
-                extra_s * 1e3,
-                allowed_s * 1e3,
-                copy_here(*small)
+                past.extra_s * 1e3,
+                past.allowed_s * 1e3,
+                copy_here(past.small)
             ),
             LetGo::ShareLimit { shares, fits } => format!(
                 "its group has {shares:.1} workers' shares of the traffic{}",
@@ -149,15 +140,10 @@ pub enum Conversation {
         carries: f64,
         limit: f64,
     },
-    /// Not sent back to this worker: its wait is `extra_s` longer than the chosen worker's,
-    /// past the conversation's weighted prefill there (`pays_s`), and the copy fits there
-    /// (`scoring.conversation_wait_where_copy_fits`; `small` as in [`LetGo::Wait`]).
-    LetGoWait {
-        name: String,
-        extra_s: f64,
-        pays_s: f64,
-        small: bool,
-    },
+    /// Not sent back to this worker: its wait is longer than the chosen worker's by more
+    /// than the conversation's weighted prefill there, and the copy fits there
+    /// (`scoring.conversation_wait_where_copy_fits`).
+    LetGoWait { name: String, past: WaitPast },
 }
 
 /// How the decision log says a copy fits on the chosen worker: its cache holds it on top of
@@ -254,16 +240,11 @@ impl Decision {
                     }) => line.push_str(&format!(
                         "; not back to its conversation on {name}: {carries} in flight there past {limit}"
                     )),
-                    Some(Conversation::LetGoWait {
-                        name,
-                        extra_s,
-                        pays_s,
-                        small,
-                    }) => line.push_str(&format!(
+                    Some(Conversation::LetGoWait { name, past }) => line.push_str(&format!(
                         "; not back to its conversation on {name}: its wait there is {:.1} ms longer, past the conversation's {:.1} ms, and {}",
-                        extra_s * 1e3,
-                        pays_s * 1e3,
-                        copy_here(*small)
+                        past.extra_s * 1e3,
+                        past.allowed_s * 1e3,
+                        copy_here(past.small)
                     )),
                     None => {}
                 }

@@ -140,14 +140,7 @@ impl Router {
                 scoring,
             )
         {
-            return HomeOutcome::LetGo(
-                slot,
-                LetGo::Wait {
-                    extra_s: past.extra_s,
-                    allowed_s: past.allowed_s,
-                    small: past.small,
-                },
-            );
+            return HomeOutcome::LetGo(slot, LetGo::Wait(past));
         }
         // A group with clearly more than one worker's share of the traffic (one application's
         // system prompt on every request, say) cannot keep to one worker whose cache turns

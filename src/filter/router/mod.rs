@@ -396,12 +396,7 @@ impl Router {
             && let Some(past) =
                 wait_past_a_copy_that_fits(choice, candidates, at, lacks, 1.0, scoring)
         {
-            return Some(Conversation::LetGoWait {
-                name,
-                extra_s: past.extra_s,
-                pays_s: past.allowed_s,
-                small: past.small,
-            });
+            return Some(Conversation::LetGoWait { name, past });
         }
         choice.prefer(at);
         Some(Conversation::Held(name))

@@ -1,4 +1,5 @@
 use super::*;
+use crate::scoring::WaitPast;
 use crate::state::MemoryStore;
 use crate::state::writer::{drain, record_poll, sync_members};
 use crate::worker_metrics::{EngineScrape, WorkerMetrics};
@@ -288,9 +289,12 @@ fn a_follow_up_waits_on_its_conversations_worker_only_while_the_wait_costs_less_
     assert_ne!(away.target.slot, home);
     let Some(Conversation::LetGoWait {
         name,
-        extra_s,
-        pays_s,
-        small: false,
+        past:
+            WaitPast {
+                extra_s,
+                allowed_s: pays_s,
+                small: false,
+            },
     }) = &away.conversation
     else {
         panic!("let go for its wait: {:?}", away.conversation);
@@ -373,11 +377,11 @@ fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fit
     assert!(!away.home);
     let Some((
         name,
-        LetGo::Wait {
+        LetGo::Wait(WaitPast {
             extra_s,
             allowed_s: pays_s,
             small: false,
-        },
+        }),
     )) = &away.home_let_go
     else {
         panic!("let go for its wait: {:?}", away.home_let_go);
@@ -401,11 +405,11 @@ fn by_default_the_wait_bounds_a_home_only_where_its_load_bound_cannot_with_two_w
     assert_ne!(away.target.slot, home, "{}", away.log_line());
     let Some((
         name,
-        LetGo::Wait {
+        LetGo::Wait(WaitPast {
             extra_s,
             allowed_s,
             small: false,
-        },
+        }),
     )) = &away.home_let_go
     else {
         panic!("let go for its wait: {:?}", away.home_let_go);
@@ -452,7 +456,7 @@ fn a_small_copy_is_let_go_from_a_slow_home_where_the_cache_turns_over() {
     let default_share = crate::scoring::ScoringConfig::default().small_copy_share;
     let (away, home) = run(20 * blocks, default_share);
     assert_ne!(away.target.slot, home, "{}", away.log_line());
-    let Some((name, LetGo::Wait { small: true, .. })) = &away.home_let_go else {
+    let Some((name, LetGo::Wait(WaitPast { small: true, .. }))) = &away.home_let_go else {
         panic!("let go for a small copy: {}", away.log_line());
     };
     assert_eq!(*name, format!("w{home}"));
@@ -485,11 +489,11 @@ fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
     let (away, home) = group_request_behind_a_queue(true, 1.0);
     let Some((
         _,
-        LetGo::Wait {
+        LetGo::Wait(WaitPast {
             extra_s,
             allowed_s: pays_s,
             ..
-        },
+        }),
     )) = away.home_let_go
     else {
         panic!("let go for its wait: {:?}", away.home_let_go);
@@ -501,7 +505,7 @@ fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
     assert!(held.home && held.home_let_go.is_none());
     // Just under the wait: let go, and the log names the allowed wait.
     let (away, _) = group_request_behind_a_queue(true, 0.9 * extra_s / pays_s);
-    let Some((_, LetGo::Wait { allowed_s, .. })) = away.home_let_go else {
+    let Some((_, LetGo::Wait(WaitPast { allowed_s, .. }))) = away.home_let_go else {
         panic!("let go for its wait: {:?}", away.home_let_go);
     };
     assert!(
