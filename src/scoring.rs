@@ -270,7 +270,8 @@ pub struct ScoringConfig {
     pub conversation_hold: f64,
     /// A group's request is not held to its home, within its load bound, when the home's
     /// extra wait is more than `home_wait_allowance` times the preamble's weighted prefill
-    /// and the chosen worker's cache holds the copy ([`wait_past_a_copy_that_fits`]).
+    /// and the chosen worker's cache holds the copy, or the copy is small
+    /// ([`wait_past_a_copy_that_fits`]).
     /// Unset (the default): on where the load bound cannot bind, with 2 candidates
     /// ([`ScoringConfig::home_wait_applies`]); `true`: always; `false`: never.
     pub home_wait_where_copy_fits: Option<bool>,

@@ -41,7 +41,7 @@ pub enum LetGo {
     ShareLimit { shares: f64, fits: bool },
     /// The home's extra wait is longer than the wait the preamble allows
     /// (`home_wait_allowance` times its weighted prefill), and the chosen worker's cache holds
-    /// the copy (`scoring.home_wait_where_copy_fits`).
+    /// the copy or the copy is small (`WaitPast::small`; `scoring.home_wait_where_copy_fits`).
     Wait(WaitPast),
 }
 
@@ -141,8 +141,8 @@ pub enum Conversation {
         limit: f64,
     },
     /// Not sent back to this worker: its wait is longer than the chosen worker's by more
-    /// than the conversation's weighted prefill there, and the copy fits there
-    /// (`scoring.conversation_wait_where_copy_fits`).
+    /// than the conversation's weighted prefill there, and the copy fits there or is small
+    /// (`WaitPast::small`; `scoring.conversation_wait_where_copy_fits`).
     LetGoWait { name: String, past: WaitPast },
 }
 
