@@ -268,6 +268,11 @@ pub struct ScoringConfig {
     /// admission cut while that worker carries at most this many times the home load bound
     /// (default 2; 0 = off: the cost alone decides; see "Conversations" above).
     pub conversation_hold: f64,
+    /// The conversation hold also sends a follow-up back to the worker holding the longest
+    /// part of its conversation past the preamble where no worker holds the whole of it (its
+    /// last turn went elsewhere, or the engine evicted its tail). Default false (measured:
+    /// docs/BENCHMARKS.md, hundred-and-twentieth run on).
+    pub conversation_hold_partial: bool,
     /// A group's request is not held to its home, within its load bound, when the home's
     /// extra wait is more than `home_wait_allowance` times the preamble's weighted prefill
     /// and the chosen worker's cache holds the copy, or the copy is small
@@ -327,6 +332,7 @@ impl Default for ScoringConfig {
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
             conversation_hold: 2.0,
+            conversation_hold_partial: false,
             home_wait_where_copy_fits: None,
             home_wait_allowance: 4.0,
             small_copy_share: 1.0 / 16.0,

@@ -336,7 +336,8 @@ impl Router {
 
     /// `scoring.conversation_hold`: for a follow-up turn (a request that continues a
     /// conversation beyond its preamble), the candidate (index into `eligible`) that holds its
-    /// whole conversation in `depths`, the longest such match, the first of equals.
+    /// whole conversation in `depths` (with `scoring.conversation_hold_partial`, any of it past
+    /// the preamble), the longest such match, the first of equals.
     fn conversation_worker(
         &self,
         analysis: &Analysis,
@@ -344,16 +345,21 @@ impl Router {
         depths: &[usize],
     ) -> Option<usize> {
         let continued = analysis.layout.continued_blocks;
-        if self.config.router.scoring.conversation_hold <= 0.0
-            || continued <= analysis.layout.preamble_blocks
-        {
+        let preamble = analysis.layout.preamble_blocks;
+        let scoring = &self.config.router.scoring;
+        if scoring.conversation_hold <= 0.0 || continued <= preamble {
             return None;
         }
+        let least = if scoring.conversation_hold_partial {
+            preamble + 1
+        } else {
+            continued
+        };
         eligible
             .iter()
             .enumerate()
             .filter_map(|(i, &s)| Some((i, *depths.get(s)?)))
-            .filter(|&(_, d)| d >= continued)
+            .filter(|&(_, d)| d >= least)
             .fold(None, |best, (i, d)| match best {
                 Some((_, b)) if b >= d => best,
                 _ => Some((i, d)),

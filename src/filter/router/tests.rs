@@ -191,10 +191,22 @@ fn follow_up_behind_a_queue_with(
     in_flight: u32,
     wait_rule: bool,
 ) -> (Decision, usize) {
+    follow_up_behind_a_queue_tuned(in_flight, second_turn, |s| {
+        s.conversation_hold = conversation_hold;
+        s.conversation_wait_where_copy_fits = wait_rule;
+    })
+}
+
+/// [`follow_up_behind_a_queue`] with the follow-up `next(system, image, question)` built and
+/// the scoring configuration `tune`d.
+fn follow_up_behind_a_queue_tuned(
+    in_flight: u32,
+    next: fn(&str, &[u8], &str) -> Vec<u8>,
+    tune: impl FnOnce(&mut crate::scoring::ScoringConfig),
+) -> (Decision, usize) {
     let store = MemoryStore::default();
     let mut c = config(8);
-    c.router.scoring.conversation_hold = conversation_hold;
-    c.router.scoring.conversation_wait_where_copy_fits = wait_rule;
+    tune(&mut c.router.scoring);
     // Not its group's home either (that hold is tested on its own).
     c.router.scoring.home_hold = false;
     let mut r = start(&store, c);
@@ -216,8 +228,50 @@ fn follow_up_behind_a_queue_with(
         let prefill_us = if i == 0 { queued_us } else { 0 };
         load.route(&store, home, 1_000_000, prefill_us, 0);
     }
-    let next = second_turn(&system, &image, "What is this?");
+    let next = next(&system, &image, "What is this?");
     (route(&mut r, &store, &next, 1000, 0), home)
+}
+
+/// A third turn of the conversation `with_system(system, image, question)` started, whose
+/// second turn no worker saw.
+fn third_turn(system: &str, image: &[u8], question: &str) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD.encode(image);
+    let answer =
+        "The boats are red, blue and white, moored side by side along the quay. ".repeat(4);
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{b64}"}}}},{{"type":"text","text":"{question}"}}]}},{{"role":"assistant","content":"A harbour at dusk, with three boats."}},{{"role":"user","content":"And the boats?"}},{{"role":"assistant","content":"{answer}"}},{{"role":"user","content":"Which is nearest?"}}]}}"#
+    )
+    .into_bytes()
+}
+
+#[test]
+fn a_follow_up_goes_back_to_the_worker_holding_part_of_its_conversation_with_the_partial_hold() {
+    // The first turn's worker holds the system prompt, the image and the first question, not
+    // the second turn: part of the conversation past the preamble. Without the partial hold
+    // no worker holds the whole conversation, and the cost moves the turn off the queue.
+    let (moved, home) = follow_up_behind_a_queue_tuned(1, third_turn, |_| {});
+    assert!(!crate::scoring::ScoringConfig::default().conversation_hold_partial);
+    assert_ne!(moved.target.slot, home);
+    assert_eq!(moved.conversation, None);
+    // With it, the turn goes back to the worker with the longest part, within the hold's
+    // bound.
+    let (back, home) =
+        follow_up_behind_a_queue_tuned(1, third_turn, |s| s.conversation_hold_partial = true);
+    assert_eq!(back.target.slot, home);
+    assert!(back.matched_blocks > moved.matched_blocks);
+    assert!(matches!(&back.conversation, Some(Conversation::Held(n)) if *n == format!("w{home}")));
+    assert!(
+        back.log_line().contains("; back to its conversation"),
+        "{}",
+        back.log_line()
+    );
+    // Past the hold's bound (5 in flight there with it), it is let go as a whole one is.
+    let (away, home) =
+        follow_up_behind_a_queue_tuned(4, third_turn, |s| s.conversation_hold_partial = true);
+    assert_ne!(away.target.slot, home);
+    assert!(
+        matches!(&away.conversation, Some(Conversation::LetGo { name, .. }) if *name == format!("w{home}"))
+    );
 }
 
 #[test]
