@@ -270,8 +270,9 @@ pub struct ScoringConfig {
     pub conversation_hold: f64,
     /// The conversation hold also sends a follow-up back to the worker holding the longest
     /// part of its conversation past the preamble where no worker holds the whole of it (its
-    /// last turn went elsewhere, or the engine evicted its tail). Default false (measured:
-    /// docs/BENCHMARKS.md, hundred-and-twentieth run on).
+    /// last turn went elsewhere, or the engine evicted its tail). Default false: +0.016 in
+    /// tight-256 with 4 workers, but it lost up to 0.043 on held-out traffic
+    /// (docs/BENCHMARKS.md, hundred-and-twentieth to hundred-and-twenty-fourth runs).
     pub conversation_hold_partial: bool,
     /// A group's request is not held to its home, within its load bound, when the home's
     /// extra wait is more than `home_wait_allowance` times the preamble's weighted prefill
