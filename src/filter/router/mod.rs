@@ -368,7 +368,8 @@ impl Router {
     }
 
     /// `scoring.conversation_hold`: a follow-up goes back to candidate `at`, the worker that
-    /// held its whole conversation (`continued` blocks) before the admission cut, while that
+    /// held its whole conversation (`continued` blocks; with `conversation_hold_partial`, the
+    /// longest part of it) before the admission cut, while that
     /// worker's load is within the hold's bound, and with
     /// `scoring.conversation_wait_where_copy_fits` while its extra wait costs no more than
     /// the conversation's weighted prefill on the chosen worker, or a copy there would not
