@@ -270,10 +270,17 @@ pub struct ScoringConfig {
     pub conversation_hold: f64,
     /// The conversation hold also sends a follow-up back to the worker holding the longest
     /// part of its conversation past the preamble where no worker holds the whole of it (its
-    /// last turn went elsewhere, or the engine evicted its tail). Default false: +0.016 in
-    /// tight-256 with 4 workers, but it lost up to 0.043 on held-out traffic
-    /// (docs/BENCHMARKS.md, hundred-and-twentieth to hundred-and-twenty-fourth runs).
+    /// last turn went elsewhere, or the engine evicted its tail), if that part is at least
+    /// `conversation_hold_partial_share` of it. Default true (since the 131st run in
+    /// docs/BENCHMARKS.md: +0.010 in tight-256 with 4 workers and +0.012 with 8 on unused
+    /// seeds, level elsewhere; false: the whole conversation only).
     pub conversation_hold_partial: bool,
+    /// With `conversation_hold_partial`, the share of the conversation past the preamble a
+    /// worker must hold to be held to (default 0.5, SGLang's match threshold; 0: any of it,
+    /// which lost on unused seeds; 1: the whole). A worker holding a few blocks of a long
+    /// history saves little recompute, and holding the follow-up there can put it behind a
+    /// burst's queue.
+    pub conversation_hold_partial_share: f64,
     /// A group's request is not held to its home, within its load bound, when the home's
     /// extra wait is more than `home_wait_allowance` times the preamble's weighted prefill
     /// and the chosen worker's cache holds the copy, or the copy is small
@@ -333,7 +340,8 @@ impl Default for ScoringConfig {
             home_share_min_requests: 4.0,
             home_rebalance_above: 0.0,
             conversation_hold: 2.0,
-            conversation_hold_partial: false,
+            conversation_hold_partial: true,
+            conversation_hold_partial_share: 0.5,
             home_wait_where_copy_fits: None,
             home_wait_allowance: 4.0,
             small_copy_share: 1.0 / 16.0,
@@ -393,6 +401,12 @@ impl ScoringConfig {
             return Err(ConfigError::new(
                 "scoring.home_fit_max_traffic",
                 "must be a fraction of the traffic, 0 to 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.conversation_hold_partial_share) {
+            return Err(ConfigError::new(
+                "scoring.conversation_hold_partial_share",
+                "must be a share of the conversation, 0 to 1",
             ));
         }
         if !(0.0..=1.0).contains(&self.small_copy_share) {

@@ -69,7 +69,8 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_share_min_requests, 4.0);
     assert_eq!(c.home_rebalance_above, 0.0);
     assert_eq!(c.conversation_hold, 2.0);
-    assert!(!c.conversation_hold_partial);
+    assert!(c.conversation_hold_partial);
+    assert_eq!(c.conversation_hold_partial_share, 0.5);
     assert_eq!(c.home_wait_where_copy_fits, None);
     assert!(c.home_wait_applies(2) && !c.home_wait_applies(3));
     assert_eq!(c.home_wait_allowance, 4.0);
@@ -293,6 +294,10 @@ fn validation_names_bad_values() {
         (
             r#"{"scoring":{"small_copy_share":-0.1}}"#,
             "scoring.small_copy_share",
+        ),
+        (
+            r#"{"scoring":{"conversation_hold_partial_share":1.5}}"#,
+            "scoring.conversation_hold_partial_share",
         ),
         (
             r#"{"scoring":{"conversation_hold":-1}}"#,

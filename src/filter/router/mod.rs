@@ -336,8 +336,9 @@ impl Router {
 
     /// `scoring.conversation_hold`: for a follow-up turn (a request that continues a
     /// conversation beyond its preamble), the candidate (index into `eligible`) that holds its
-    /// whole conversation in `depths` (with `scoring.conversation_hold_partial`, any of it past
-    /// the preamble), the longest such match, the first of equals.
+    /// whole conversation in `depths` (with `scoring.conversation_hold_partial`, at least
+    /// `conversation_hold_partial_share` of it past the preamble, and one block), the longest
+    /// such match, the first of equals.
     fn conversation_worker(
         &self,
         analysis: &Analysis,
@@ -351,7 +352,12 @@ impl Router {
             return None;
         }
         let least = if scoring.conversation_hold_partial {
-            preamble + 1
+            let past = (continued - preamble) as f64;
+            let share = scoring.conversation_hold_partial_share.clamp(0.0, 1.0);
+            preamble
+                + ((past * share).ceil() as usize)
+                    .max(1)
+                    .min(continued - preamble)
         } else {
             continued
         };

@@ -249,14 +249,15 @@ fn a_follow_up_goes_back_to_the_worker_holding_part_of_its_conversation_with_the
     // The first turn's worker holds the system prompt, the image and the first question, not
     // the second turn: part of the conversation past the preamble. Without the partial hold
     // no worker holds the whole conversation, and the cost moves the turn off the queue.
-    let (moved, home) = follow_up_behind_a_queue_tuned(1, third_turn, |_| {});
-    assert!(!crate::scoring::ScoringConfig::default().conversation_hold_partial);
+    let (moved, home) =
+        follow_up_behind_a_queue_tuned(1, third_turn, |s| s.conversation_hold_partial = false);
     assert_ne!(moved.target.slot, home);
     assert_eq!(moved.conversation, None);
-    // With it, the turn goes back to the worker with the longest part, within the hold's
-    // bound.
-    let (back, home) =
-        follow_up_behind_a_queue_tuned(1, third_turn, |s| s.conversation_hold_partial = true);
+    // With it (the default), the turn goes back to the worker with the longest part, within
+    // the hold's bound.
+    let defaults = crate::scoring::ScoringConfig::default();
+    assert!(defaults.conversation_hold_partial);
+    let (back, home) = follow_up_behind_a_queue_tuned(1, third_turn, |_| {});
     assert_eq!(back.target.slot, home);
     assert!(back.matched_blocks > moved.matched_blocks);
     assert!(matches!(&back.conversation, Some(Conversation::Held(n)) if *n == format!("w{home}")));
@@ -265,9 +266,17 @@ fn a_follow_up_goes_back_to_the_worker_holding_part_of_its_conversation_with_the
         "{}",
         back.log_line()
     );
+    // The worker holds most of the conversation past the preamble (the image and the first
+    // question, not the second turn): held with the default share bound of a half, not with
+    // a bound of the whole.
+    assert_eq!(defaults.conversation_hold_partial_share, 0.5);
+    let (whole, home) = follow_up_behind_a_queue_tuned(1, third_turn, |s| {
+        s.conversation_hold_partial_share = 1.0;
+    });
+    assert_ne!(whole.target.slot, home);
+    assert_eq!(whole.conversation, None);
     // Past the hold's bound (5 in flight there with it), it is let go as a whole one is.
-    let (away, home) =
-        follow_up_behind_a_queue_tuned(4, third_turn, |s| s.conversation_hold_partial = true);
+    let (away, home) = follow_up_behind_a_queue_tuned(4, third_turn, |_| {});
     assert_ne!(away.target.slot, home);
     assert!(
         matches!(&away.conversation, Some(Conversation::LetGo { name, .. }) if *name == format!("w{home}"))
