@@ -145,7 +145,9 @@
 //! "Conversations go back to their worker", has the measurements). With up to 4 workers a
 //! worker carrying all of the fleet's requests stays within twice the bound; with 8, a
 //! conversation's worker carries at most about half of them. The hold comes after the home's:
-//! a follow-up's history outweighs its group's preamble.
+//! a follow-up's history outweighs its group's preamble. Where no worker holds the whole
+//! conversation, the worker holding at least `conversation_hold_partial_share` (half) of it
+//! past the preamble is held to the same way (`conversation_hold_partial`, on by default).
 //!
 //! ## Choice
 //! With `temperature` 0 the lowest cost wins. Costs within 1 µs or 1e-9 (relative) of the

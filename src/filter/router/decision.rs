@@ -117,8 +117,9 @@ pub struct Decision {
     /// The group's home when the request was not held to it (its name and why): the
     /// preamble was recomputed on the chosen worker.
     pub home_let_go: Option<(String, LetGo)>,
-    /// A follow-up whose whole conversation a worker other than the cost's choice held before
-    /// the admission cut: sent back there, or not and why (`scoring.conversation_hold`).
+    /// A follow-up whose whole conversation (or at least `conversation_hold_partial_share` of
+    /// it) a worker other than the cost's choice held before the admission cut: sent back
+    /// there, or not and why (`scoring.conversation_hold`).
     pub conversation: Option<Conversation>,
     /// False when the load update or the decision record was lost (counted, not fatal).
     pub recorded: bool,

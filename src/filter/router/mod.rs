@@ -154,8 +154,8 @@ impl Router {
         }
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
-        // Before the admission cut: the worker that holds a follow-up's whole conversation
-        // (`scoring.conversation_hold`), and the one holding the longest prefix, for the
+        // Before the admission cut: the worker that holds a follow-up's conversation, whole
+        // or at least the partial hold's share (`scoring.conversation_hold`), and the one holding the longest prefix, for the
         // decision log.
         let conversation_at = self.conversation_worker(analysis, &eligible, &prefix.depths);
         let mut longest_held = None;
