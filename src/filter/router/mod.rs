@@ -155,8 +155,8 @@ impl Router {
         let snapshot = self.load.snapshot(store, live.slots.len());
         let loads = &snapshot.loads;
         // Before the admission cut: the worker that holds a follow-up's conversation, whole
-        // or at least the partial hold's share (`scoring.conversation_hold`), and the one holding the longest prefix, for the
-        // decision log.
+        // or at least the partial hold's share (`scoring.conversation_hold`), and the one
+        // holding the longest prefix, for the decision log.
         let conversation_at = self.conversation_worker(analysis, &eligible, &prefix.depths);
         let mut longest_held = None;
         if live.precise && self.config.router.scoring.admission_match {
@@ -352,12 +352,10 @@ impl Router {
             return None;
         }
         let least = if scoring.conversation_hold_partial {
-            let past = (continued - preamble) as f64;
+            // `past` >= 1 (checked above); a NaN share casts to 0 and takes one block.
+            let past = continued - preamble;
             let share = scoring.conversation_hold_partial_share.clamp(0.0, 1.0);
-            preamble
-                + ((past * share).ceil() as usize)
-                    .max(1)
-                    .min(continued - preamble)
+            preamble + ((past as f64 * share).ceil() as usize).max(1).min(past)
         } else {
             continued
         };
@@ -375,7 +373,8 @@ impl Router {
 
     /// `scoring.conversation_hold`: a follow-up goes back to candidate `at`, the worker that
     /// held its whole conversation (`continued` blocks; with `conversation_hold_partial`, the
-    /// longest part of it) before the admission cut, while that
+    /// longest part of it, at least `conversation_hold_partial_share`) before the admission
+    /// cut, while that
     /// worker's load is within the hold's bound, and with
     /// `scoring.conversation_wait_where_copy_fits` while its extra wait costs no more than
     /// the conversation's weighted prefill on the chosen worker, or a copy there would not
