@@ -108,7 +108,10 @@
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
 //!   any load), or `home_load_floor` (default 2) where that is more: at low load the bound is
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
-//!   joining the first. A home whose cache still holds what it took recently (its footprint,
+//!   joining the first. With `home_load_by_groups`, where the homes table counts more groups
+//!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
+//!   the groups per worker: every worker is then some group's home, and a request the bound
+//!   sends away recomputes on another group's home. A home whose cache still holds what it took recently (its footprint,
 //!   at least the blocks of the prefill queued there, plus this request's new blocks within
 //!   its capacity) may carry up to
 //!   `home_fit_load_factor` (default 2) times that bound: there a short wait costs less than
@@ -220,6 +223,12 @@ pub struct ScoringConfig {
     /// most `ceil((1 + home_load_slack) × mean)` (default 1: a home may carry twice the
     /// mean; with 2 workers that never stops a hold).
     pub home_load_slack: f64,
+    /// Where there are more groups than workers, `home_load_slack` is multiplied by the
+    /// groups per eligible worker (the effective number of groups in the homes table, by
+    /// their recent rates, over the workers; only where that is above 1) (default false).
+    /// There every worker is some group's home: a request the bound sends off its home
+    /// recomputes its history on another group's home and evicts that group's blocks there.
+    pub home_load_by_groups: bool,
     /// Requests in flight a home may always carry, this one included, whatever the mean
     /// (default 2; 0 = no floor). At low load the bound above is 1, so a group's second
     /// request could not join the first on its home and copied the preamble elsewhere.
@@ -333,6 +342,7 @@ impl Default for ScoringConfig {
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,
+            home_load_by_groups: false,
             home_load_floor: 2,
             home_fit_load_factor: 2.0,
             home_max_shares: 1.5,

@@ -169,6 +169,22 @@ impl Homes {
         (own, total)
     }
 
+    /// The effective number of groups now: `(Σ rate)² / Σ rate²` over the decayed rates (6
+    /// groups of equal traffic count 6; one with 90% of it and five others about 1.2); 0 for
+    /// an empty table.
+    pub fn effective_groups(&self, now_ms: u64, half_life_ms: u64) -> f64 {
+        let (sum, squares) = self
+            .entries
+            .iter()
+            .map(|h| h.rate_at(now_ms, half_life_ms))
+            .fold((0.0, 0.0), |(sum, squares), r| (sum + r, squares + r * r));
+        if squares > 0.0 && squares.is_finite() {
+            sum * sum / squares
+        } else {
+            0.0
+        }
+    }
+
     /// The request rate of the groups homed on `worker` now and how many they are (each
     /// counted up to 1 by its rate, so a group not seen for a few half-lives no longer
     /// counts), both per unit of the worker's relative speed, without `own` (a group whose
@@ -754,6 +770,24 @@ mod tests {
         // At equal speeds the same table is balanced.
         let mut even = table(&[(1, 0, 4.0), (2, 0, 4.0), (3, 1, 4.0), (4, 1, 4.0)]);
         assert_eq!(even.rebalance(3, &workers(2), 0, 60_000, MOVE), Some(1));
+    }
+
+    #[test]
+    fn effective_groups_count_groups_by_their_traffic() {
+        assert_eq!(Homes::default().effective_groups(0, 1000), 0.0);
+        let equal = table(&[(1, 0, 2.0), (2, 1, 2.0), (3, 0, 2.0)]);
+        assert!((equal.effective_groups(0, 0) - 3.0).abs() < 1e-9);
+        // One group with 90% of the traffic and five with 2% each: about 1.2.
+        let hot = table(&[
+            (1, 0, 90.0),
+            (2, 1, 2.0),
+            (3, 1, 2.0),
+            (4, 1, 2.0),
+            (5, 1, 2.0),
+            (6, 1, 2.0),
+        ]);
+        let n = hot.effective_groups(0, 0);
+        assert!((1.2..1.25).contains(&n), "{n}");
     }
 
     #[test]

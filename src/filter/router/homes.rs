@@ -5,8 +5,8 @@
 use super::Router;
 use super::decision::LetGo;
 use crate::scoring::{
-    Candidate, Choice, goes_home, home_holds_its_footprint, home_load, home_saves_preamble,
-    home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
+    Candidate, Choice, ScoringConfig, goes_home, home_holds_its_footprint, home_load,
+    home_saves_preamble, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
 };
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
 use crate::state::workers::LiveTable;
@@ -125,8 +125,12 @@ impl Router {
             if !home_saves_preamble(choice, candidates, index, preamble) {
                 return HomeOutcome::Nothing;
             }
-            let (carries, bound) = home_load(choice, candidates, at_home, scoring);
-            return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
+            let loosened = loosened_by_groups(scoring, &table, n, now_ms);
+            let bounded = loosened.as_ref().unwrap_or(scoring);
+            if !goes_home(choice, candidates, index, preamble, bounded) {
+                let (carries, bound) = home_load(choice, candidates, at_home, bounded);
+                return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
+            }
         }
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
         // prefill once; a long queue at home costs the request its wait.
@@ -174,4 +178,22 @@ impl Router {
         choice.prefer(index);
         HomeOutcome::Held
     }
+}
+
+/// `scoring.home_load_by_groups`: the scoring with `home_load_slack` times the groups per
+/// eligible worker, where there are more groups than `workers`; None where the bound stays.
+fn loosened_by_groups(
+    scoring: &ScoringConfig,
+    table: &Homes,
+    workers: f64,
+    now_ms: u64,
+) -> Option<ScoringConfig> {
+    if !scoring.home_load_by_groups || workers <= 0.0 {
+        return None;
+    }
+    let per_worker = table.effective_groups(now_ms, scoring.footprint_half_life_ms) / workers;
+    (per_worker > 1.0).then(|| ScoringConfig {
+        home_load_slack: scoring.home_load_slack * per_worker,
+        ..scoring.clone()
+    })
 }

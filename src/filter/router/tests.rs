@@ -771,13 +771,20 @@ fn fill_home(config: FilterConfig) -> (Vec<usize>, bool) {
 
 /// [`fill_home`], with the 8 decisions' log lines.
 fn fill_home_logged(config: FilterConfig) -> (Vec<usize>, bool, Vec<String>) {
+    fill_home_after(config, 1)
+}
+
+/// [`fill_home_logged`] after `others` other applications' 8 finished requests (taking turns).
+fn fill_home_after(config: FilterConfig, others: u32) -> (Vec<usize>, bool, Vec<String>) {
     let store = MemoryStore::default();
     let mut r = start(&store, config);
     let system = "You are assistant one. ".repeat(20);
-    // Another application's traffic first (finished), so that this one's is no more than
+    // Other applications' traffic first (finished), so that this one's is no more than
     // one worker's share.
-    let other = "You are assistant two. ".repeat(20);
+    let names = ["two", "three", "four", "five", "six"];
     for i in 0..8u32 {
+        let name = names.get((i % others.max(1)) as usize).unwrap_or(&"two");
+        let other = format!("You are assistant {name}. ").repeat(20);
         let b = with_system(&other, &png(300 + i, 600), "Describe this image.");
         let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
         apply(&store, &r, u64::from(i) + 1);
@@ -849,6 +856,38 @@ fn a_home_past_its_load_bound_is_not_held_to() {
             assert!(!line.contains("not its group's home"), "{line}");
         }
     }
+}
+
+#[test]
+fn with_home_load_by_groups_a_home_among_more_groups_than_workers_carries_more() {
+    // Two workers; four other applications sent 8 requests before this one's 8: with the
+    // option, the bound's slack (0.25) is multiplied by the effective groups per worker
+    // (rates 2, 2, 2, 2 and this group's: 2.4 at its third request), so its home is held to
+    // longer. With one other application there are no more groups than workers: no change.
+    let roomy = config(2).state.capacity_blocks;
+    let by_groups = |on: bool| {
+        let mut config = bounded_home(1.0, roomy);
+        config.router.scoring.home_load_by_groups = on;
+        config
+    };
+    let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
+    let (fixed, _, _) = fill_home_after(by_groups(false), 4);
+    let (loosened, held, lines) = fill_home_after(by_groups(true), 4);
+    assert!(held, "{loosened:?}");
+    // At its third request the home may carry ceil(1.25 × 3 / 2) = 2 in flight, loosened
+    // ceil((1 + 0.25 × 2.4) × 3 / 2) = 3: the fixed bound lets the third go, the loosened
+    // one the fifth (ceil((1 + 0.25 × 2.1) × 5 / 2) = 4).
+    assert_eq!(first_away(&fixed), Some(2), "{fixed:?}");
+    assert_eq!(first_away(&loosened), Some(4), "{loosened:?}");
+    // The decision log says the loosened bound it was let go at.
+    assert!(
+        lines[4].contains("5 in flight there past its bound of 4"),
+        "{}",
+        lines[4]
+    );
+    let (two_groups_fixed, _, _) = fill_home_after(by_groups(false), 1);
+    let (two_groups_on, _, _) = fill_home_after(by_groups(true), 1);
+    assert_eq!(two_groups_on, two_groups_fixed);
 }
 
 #[test]
