@@ -111,12 +111,12 @@
 //!   joining the first. With `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
 //!   the groups per worker: every worker is then some group's home, and a request the bound
-//!   sends away recomputes on another group's home. A home whose cache still holds what it took recently (its footprint,
-//!   at least the blocks of the prefill queued there, plus this request's new blocks within
-//!   its capacity) may carry up to
-//!   `home_fit_load_factor` (default 2) times that bound: there a short wait costs less than
-//!   the copy of the preamble, and more of the group does not evict the home's other
-//!   conversations. Past it, the request goes where the cost says; and
+//!   sends away recomputes on another group's home (off by default: docs/ROUTING.md). A
+//!   home whose cache still holds what it took recently (its footprint, at least the blocks
+//!   of the prefill queued there, plus this request's new blocks within its capacity) may
+//!   carry up to `home_fit_load_factor` (default 2) times that bound: there a short wait
+//!   costs less than the copy of the preamble, and more of the group does not evict the
+//!   home's other conversations. Past it, the request goes where the cost says; and
 //! - the home's extra wait is not past `home_wait_allowance` (4) times the preamble's weighted
 //!   prefill while the chosen worker's cache holds the copy, or the copy is at most
 //!   `small_copy_share` (1/16) of that cache ([`wait_past_a_copy_that_fits`]). By default
