@@ -229,6 +229,15 @@ pub struct ScoringConfig {
     /// There every worker is some group's home: a request the bound sends off its home
     /// recomputes its history on another group's home and evicts that group's blocks there.
     pub home_load_by_groups: bool,
+    /// A group's request past its home's load bound is still held to its home, up to
+    /// `home_fit_load_factor` times the bound, where the cost's choice is another group's
+    /// home whose cache still holds that group's preamble (default false). Sent there, the
+    /// request would interleave two groups in one worker's cache, and under a tight cache
+    /// each evicts the other's preamble and images; where the choice is no group's home
+    /// (more workers than groups) or its group's preamble is gone, the bound applies as
+    /// before. Where the home's cache holds its footprint the bound is that factor times
+    /// already, so this changes nothing there.
+    pub home_spares_homes: bool,
     /// Requests in flight a home may always carry, this one included, whatever the mean
     /// (default 2; 0 = no floor). At low load the bound above is 1, so a group's second
     /// request could not join the first on its home and copied the preamble elsewhere.
@@ -343,6 +352,7 @@ impl Default for ScoringConfig {
             home_hold: true,
             home_load_slack: 1.0,
             home_load_by_groups: false,
+            home_spares_homes: false,
             home_load_floor: 2,
             home_fit_load_factor: 2.0,
             home_max_shares: 1.5,
@@ -601,6 +611,21 @@ fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -
         .ceil()
         .max(f64::from(config.home_load_floor));
     (f64::from(c.inflight) + 1.0, bound)
+}
+
+/// With `scoring.home_spares_homes`: the requests a home would carry with this one, and
+/// the most it may carry while letting the request go would evict another group's preamble:
+/// `home_fit_load_factor` times its load bound.
+pub fn home_spare_load(
+    candidates: &[Candidate],
+    home: &Candidate,
+    config: &ScoringConfig,
+) -> (f64, f64) {
+    let (carries, bound) = load_bound(candidates, home, config);
+    (
+        carries,
+        (bound * config.home_fit_load_factor.max(1.0)).floor(),
+    )
 }
 
 /// What candidate `at`, the worker that held a follow-up's whole conversation before the

@@ -114,6 +114,10 @@ pub struct Decision {
     /// The request went to its group's home instead of its lowest-cost worker
     /// (`scoring.home_hold`).
     pub home: bool,
+    /// With `home`: the home carries this many requests in flight with this one, past its
+    /// load bound (the second number), because the cost's choice is another group's home
+    /// that holds that group's preamble (`scoring.home_spares_homes`).
+    pub home_past_bound: Option<(f64, f64)>,
     /// The group's home when the request was not held to it (its name and why): the
     /// preamble was recomputed on the chosen worker.
     pub home_let_go: Option<(String, LetGo)>,
@@ -225,6 +229,11 @@ impl Decision {
                 );
                 if self.home {
                     line.push_str("; its group's home");
+                }
+                if let Some((carries, bound)) = self.home_past_bound {
+                    line.push_str(&format!(
+                        ", {carries:.0} in flight there past its bound of {bound:.0}: the cost's choice is another group's home and holds its preamble"
+                    ));
                 }
                 if let Some((name, why)) = &self.home_let_go {
                     line.push_str(&format!(

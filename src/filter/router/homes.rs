@@ -6,8 +6,9 @@ use super::Router;
 use super::decision::LetGo;
 use crate::scoring::{
     Candidate, Choice, ScoringConfig, goes_home, home_holds_its_footprint, home_load,
-    home_saves_preamble, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
+    home_saves_preamble, home_spare_load, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
 };
+use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
 use crate::state::workers::LiveTable;
 use crate::state::{SharedStore, cas_update};
@@ -35,6 +36,10 @@ const SPEED_REBALANCE_ABOVE: f64 = 1.25;
 pub(super) enum HomeOutcome {
     /// Sent to its home against the cost.
     Held,
+    /// Sent to its home against the cost past its load bound (`carries` in flight with this
+    /// request, past `bound`), because the cost's choice is another group's home that holds
+    /// that group's preamble (`scoring.home_spares_homes`).
+    HeldPastBound { carries: f64, bound: f64 },
     /// Its lowest-cost worker would recompute the preamble and the home (this slot) was not
     /// held to, for this reason: what the decision log says.
     LetGo(usize, LetGo),
@@ -121,6 +126,7 @@ impl Router {
         }) else {
             return HomeOutcome::Nothing;
         };
+        let mut past_bound = None;
         if !goes_home(choice, candidates, index, preamble, scoring) {
             if !home_saves_preamble(choice, candidates, index, preamble) {
                 return HomeOutcome::Nothing;
@@ -129,7 +135,14 @@ impl Router {
             let bounded = loosened.as_ref().unwrap_or(scoring);
             if !goes_home(choice, candidates, index, preamble, bounded) {
                 let (carries, bound) = home_load(choice, candidates, at_home, bounded);
-                return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
+                let (_, limit) = home_spare_load(candidates, at_home, bounded);
+                let spares = scoring.home_spares_homes
+                    && carries <= limit
+                    && self.choice_holds_another_home(&table, group, eligible, live, choice, store);
+                if !spares {
+                    return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
+                }
+                past_bound = Some((carries, bound));
             }
         }
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
@@ -176,7 +189,48 @@ impl Router {
             }
         }
         choice.prefer(index);
-        HomeOutcome::Held
+        match past_bound {
+            Some((carries, bound)) => HomeOutcome::HeldPastBound { carries, bound },
+            None => HomeOutcome::Held,
+        }
+    }
+
+    /// `scoring.home_spares_homes`: whether the cost's choice is the home of another group
+    /// than `group` (in `table`) whose preamble its cache still holds, by the LRU model (the
+    /// preamble's last block, the group's key, is the oldest of its blocks).
+    fn choice_holds_another_home(
+        &self,
+        table: &Homes,
+        group: u64,
+        eligible: &[usize],
+        live: &LiveTable,
+        choice: &Choice,
+        store: &dyn SharedStore,
+    ) -> bool {
+        let Some((slot, l)) = eligible
+            .get(choice.index)
+            .and_then(|&slot| Some((slot, live.get(slot)?)))
+        else {
+            return false;
+        };
+        let blocks = &self.config.state.blocks;
+        let mut holders = Vec::new();
+        table
+            .entries
+            .iter()
+            .filter(|h| {
+                h.group != group && usize::from(h.slot) == slot && h.incarnation == l.incarnation
+            })
+            .any(|h| {
+                holders.clear();
+                let bucket = self.keys.block_bucket(blocks.bucket_of(h.group));
+                if let Ok(Some((bytes, _))) = store.get(&bucket) {
+                    holders_of(&bytes, h.group, &mut holders);
+                }
+                holders
+                    .iter()
+                    .any(|x| usize::from(x.slot) == slot && l.holds(x.stamp))
+            })
     }
 }
 

@@ -320,8 +320,18 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            home: outcome == HomeOutcome::Held
-                && !matches!(conversation, Some(Conversation::Held(_))),
+            home: matches!(
+                outcome,
+                HomeOutcome::Held | HomeOutcome::HeldPastBound { .. }
+            ) && !matches!(conversation, Some(Conversation::Held(_))),
+            home_past_bound: match outcome {
+                HomeOutcome::HeldPastBound { carries, bound }
+                    if !matches!(conversation, Some(Conversation::Held(_))) =>
+                {
+                    Some((carries, bound))
+                }
+                _ => None,
+            },
             conversation,
             home_let_go,
             recorded: end.is_some() && enqueued,
@@ -493,6 +503,7 @@ impl Router {
             precise: live.precise,
             fallback: Some(why),
             home: false,
+            home_past_bound: None,
             home_let_go: None,
             conversation: None,
             recorded: end.is_some(),

@@ -891,6 +891,83 @@ fn with_home_load_by_groups_a_home_among_more_groups_than_workers_carries_more()
 }
 
 #[test]
+fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_another_home() {
+    // Caches of about one request (no home's footprint fits: no fit factor). Another
+    // application's 8 requests (a second apart, each finished) make one worker its home;
+    // this one's home is another. Past its home's load bound (none of its 8 finishes), this
+    // application's request would go to the other application's home, which holds its
+    // preamble: with the option it stays home (up to twice the bound, here all 8). With a
+    // third worker that is no group's home, it goes there, never to the other home.
+    let system = "You are assistant one. ".repeat(20);
+    let other = "You are assistant two. ".repeat(20);
+    let blocks = {
+        let store = MemoryStore::default();
+        let mut r = start(&store, config(2));
+        let b = with_system(&system, &png(600, 600), "Describe this image.");
+        route(&mut r, &store, &b, 0, 0).total_blocks as u32
+    };
+    let run = |on: bool, workers: usize| {
+        let store = MemoryStore::default();
+        let mut config = home_hold(workers, 0.25);
+        config.router.scoring.home_share_min_requests = 0.0;
+        config.router.scoring.home_fit_load_factor = 2.0;
+        config.router.scoring.home_wait_where_copy_fits = Some(false);
+        config.router.scoring.home_spares_homes = on;
+        config.state.capacity_blocks = blocks;
+        let mut r = start(&store, config);
+        let mut other_home = usize::MAX;
+        for i in 0..8u64 {
+            let b = with_system(&other, &png(300 + i as u32, 600), "Describe this image.");
+            let d = route(&mut r, &store, &b, i * 1000, i);
+            other_home = d.target.slot;
+            apply(&store, &r, i * 1000 + 1);
+            assert!(r.finished(&store, &d, (i * 1000 + 500) * 1000, true));
+            apply(&store, &r, i * 1000 + 501);
+        }
+        let (mut slots, mut lines) = (Vec::new(), Vec::new());
+        for i in 0..8u64 {
+            let b = with_system(&system, &png(600 + i as u32, 600), "Describe this image.");
+            let d = route(&mut r, &store, &b, 10_000 + i, i);
+            apply(&store, &r, 10_001 + i);
+            slots.push(d.target.slot);
+            lines.push(d.log_line());
+        }
+        (slots, lines, other_home)
+    };
+    let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
+    // Off: the third request, carrying 3 past ceil(1.25 × 3 / 2) = 2, goes away.
+    let (off, _, _) = run(false, 2);
+    assert_eq!(first_away(&off), Some(2), "{off:?}");
+    let (on, lines, _) = run(true, 2);
+    assert_eq!(first_away(&on), None, "all at home: {on:?}");
+    assert!(
+        lines[2].contains(
+            "its group's home, 3 in flight there past its bound of 2: the cost's choice is another group's home and holds its preamble"
+        ),
+        "{}",
+        lines[2]
+    );
+    // Three workers: off, some go to the other application's home; on, the ones let go
+    // past the bound go to the third worker, nobody's home, and the log says so for none.
+    let (three_off, _, other_home) = run(false, 3);
+    assert!(
+        three_off.contains(&other_home),
+        "{three_off:?} ({other_home})"
+    );
+    let (three_on, three_lines, other_home) = run(true, 3);
+    assert_eq!(first_away(&three_on), Some(2), "{three_on:?}");
+    assert!(
+        !three_on.contains(&other_home),
+        "{three_on:?} ({other_home})"
+    );
+    assert!(
+        three_lines
+            .get(2)
+            .is_some_and(|l| !l.contains("another group's home"))
+    );
+}
+
+#[test]
 fn a_home_whose_cache_holds_what_it_took_recently_is_held_to_past_its_bound() {
     // The same requests with the default `home_fit_load_factor` (2): while the home's cache
     // holds its footprint and the request's new blocks, it carries up to twice the bound,
