@@ -591,10 +591,14 @@ pub fn home_load(
     if carries <= bound || !home_holds_its_footprint(choice, home, config) {
         return (carries, bound);
     }
-    (
-        carries,
-        (bound * config.home_fit_load_factor.max(1.0)).floor(),
-    )
+    (carries, fit_limit(bound, config))
+}
+
+/// `home_fit_load_factor` times a home's load bound: the most it may carry while its cache
+/// holds its footprint, or (`home_spares_homes`) where the request would otherwise go to
+/// another group's home.
+fn fit_limit(bound: f64, config: &ScoringConfig) -> f64 {
+    (bound * config.home_fit_load_factor.max(1.0)).floor()
 }
 
 /// The requests candidate `c` would carry with this one, and the load bound of consistent
@@ -614,18 +618,15 @@ fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -
 }
 
 /// With `scoring.home_spares_homes`: the requests a home would carry with this one, and
-/// the most it may carry while letting the request go would evict another group's preamble:
-/// `home_fit_load_factor` times its load bound.
+/// the most it may carry where the request would otherwise go to another group's home that
+/// holds that group's preamble: `home_fit_load_factor` times its load bound.
 pub fn home_spare_load(
     candidates: &[Candidate],
     home: &Candidate,
     config: &ScoringConfig,
 ) -> (f64, f64) {
     let (carries, bound) = load_bound(candidates, home, config);
-    (
-        carries,
-        (bound * config.home_fit_load_factor.max(1.0)).floor(),
-    )
+    (carries, fit_limit(bound, config))
 }
 
 /// What candidate `at`, the worker that held a follow-up's whole conversation before the

@@ -296,6 +296,8 @@ impl Router {
         let overruled = (choice.index != cost_choice)
             .then(|| named(cost_choice))
             .flatten();
+        // The conversation hold decided last: where it sent the request back, the home did not.
+        let back_to_conversation = matches!(conversation, Some(Conversation::Held(_)));
         let cut_at_admission = longest_held
             .filter(|&(s, held)| prefix.depth(s) < held)
             .and_then(|(s, held)| Some((self.target(s)?.name, held, prefix.depth(s))));
@@ -320,14 +322,13 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            home: matches!(
-                outcome,
-                HomeOutcome::Held | HomeOutcome::HeldPastBound { .. }
-            ) && !matches!(conversation, Some(Conversation::Held(_))),
+            home: !back_to_conversation
+                && matches!(
+                    outcome,
+                    HomeOutcome::Held | HomeOutcome::HeldPastBound { .. }
+                ),
             home_past_bound: match outcome {
-                HomeOutcome::HeldPastBound { carries, bound }
-                    if !matches!(conversation, Some(Conversation::Held(_))) =>
-                {
+                HomeOutcome::HeldPastBound { carries, bound } if !back_to_conversation => {
                     Some((carries, bound))
                 }
                 _ => None,
