@@ -135,9 +135,8 @@ impl Router {
             let bounded = loosened.as_ref().unwrap_or(scoring);
             if !goes_home(choice, candidates, index, preamble, bounded) {
                 let (carries, bound) = home_load(choice, candidates, at_home, bounded);
-                let (_, limit) = home_spare_load(candidates, at_home, bounded);
                 let spares = scoring.home_spares_homes
-                    && carries <= limit
+                    && carries <= home_spare_load(candidates, at_home, bounded).1
                     && self.choice_holds_another_home(&table, group, eligible, live, choice, store);
                 if !spares {
                     return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
