@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,22 +45,8 @@ SGLANG_BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1
 # what the prediction error is measured from, and it is off by default in later builds.
 MMROUTER_BASE_CONFIG = {"response_headers": True}
 
-
-_ISSUED_PORTS = set()
-
-
-def free_port():
-    """A port that is free now and that no earlier call returned. The kernel can hand back a
-    port it gave a moment ago when nothing has bound it yet: the sidecar once got the port
-    chosen for Envoy's listener before Envoy started, and a whole run's requests went to the
-    sidecar (HTTP 405)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _ISSUED_PORTS:
-            _ISSUED_PORTS.add(port)
-            return port
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+from ports import free_port  # noqa: E402  (tests/support/ports.py)
 
 
 def http_get(url, timeout=2.0):

@@ -10,7 +10,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "support"))
+from ports import free_port  # noqa: E402,F401  (tests/support/ports.py; used as processes.free_port)
 
 PR_SET_PDEATHSIG = 1
 
@@ -27,13 +32,6 @@ def exit_on_signals():
     def handler(signum, _frame):
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
-
-
-def free_port(host="127.0.0.1"):
-    """A port nothing listens on now (bound and released: another process may still take it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_port(host, port, timeout, proc=None):

@@ -9,7 +9,6 @@ Every port is picked free on 127.0.0.1; every process is stopped when the stack 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,11 +26,8 @@ ENVOY = Path(os.environ.get("ENVOY_BIN", ROOT / ".venv/bin/envoy"))
 sys.path.insert(0, str(ROOT / "envoy"))
 import render  # noqa: E402  (envoy/render.py: the same generator scripts/run uses)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+from ports import free_port  # noqa: E402,F401  (tests/support/ports.py; the e2e tests import it from here)
 
 
 def start_mock(name, port, log_path, args=(), events=None, timeout=30):
