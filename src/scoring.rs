@@ -111,7 +111,11 @@
 //!   joining the first. With `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
 //!   the groups per worker: every worker is then some group's home, and a request the bound
-//!   sends away recomputes on another group's home (off by default: docs/ROUTING.md). A
+//!   sends away recomputes on another group's home (off by default: docs/ROUTING.md). With
+//!   `home_spares_homes` (off by default), where the request would go to another group's
+//!   home that still holds that group's preamble, it stays home past the bound, up to
+//!   `home_fit_load_factor` times it, while the home's extra wait is at most
+//!   `home_wait_allowance` times the preamble's weighted prefill ([`home_spare_wait`]). A
 //!   home whose cache still holds what it took recently (its footprint, at least the blocks
 //!   of the prefill queued there, plus this request's new blocks within its capacity) may
 //!   carry up to `home_fit_load_factor` (default 2) times that bound: there a short wait
@@ -230,13 +234,15 @@ pub struct ScoringConfig {
     /// recomputes its history on another group's home and evicts that group's blocks there.
     pub home_load_by_groups: bool,
     /// A group's request past its home's load bound is still held to its home, up to
-    /// `home_fit_load_factor` times the bound, where the cost's choice is another group's
-    /// home whose cache still holds that group's preamble (default false). Sent there, the
-    /// request would interleave two groups in one worker's cache, and under a tight cache
-    /// each evicts the other's preamble and images; where the choice is no group's home
-    /// (more workers than groups) or its group's preamble is gone, the bound applies as
-    /// before. Where the home's cache holds its footprint the bound is that factor times
-    /// already, so this changes nothing there.
+    /// `home_fit_load_factor` times the bound and while the home's extra wait is at most
+    /// `home_wait_allowance` times the preamble's weighted prefill ([`home_spare_wait`]),
+    /// where the cost's choice is another group's home whose cache still holds that group's
+    /// preamble (default false). Sent there, the request would interleave two groups in one
+    /// worker's cache, and under a tight cache each evicts the other's preamble and images;
+    /// where the choice is no group's home (more workers than groups) or its group's
+    /// preamble is gone, the bound applies as before. Without the limit in time, at low load
+    /// (a bound of `home_load_floor`) the home queued 4 requests while the choice was idle,
+    /// and the TTFT p99 doubled (docs/BENCHMARKS.md, 175th-195th runs).
     pub home_spares_homes: bool,
     /// Requests in flight a home may always carry, this one included, whatever the mean
     /// (default 2; 0 = no floor). At low load the bound above is 1, so a group's second
@@ -627,6 +633,22 @@ pub fn home_spare_load(
 ) -> (f64, f64) {
     let (carries, bound) = load_bound(candidates, home, config);
     (carries, fit_limit(bound, config))
+}
+
+/// With `home_spares_homes`: the home's extra wait over the chosen worker's, and the most it
+/// may be for a request past the load bound to stay home: `home_wait_allowance` times the
+/// preamble's weighted prefill ([`wait_against_recompute`]), as a hold's wait is allowed where
+/// a copy fits ([`wait_past_a_copy_that_fits`]).
+pub fn home_spare_wait(
+    choice: &Choice,
+    candidates: &[Candidate],
+    home: usize,
+    preamble_blocks: usize,
+    config: &ScoringConfig,
+) -> Option<(f64, f64)> {
+    let (extra_s, pays_s) =
+        wait_against_recompute(choice, candidates, home, preamble_blocks, config)?;
+    Some((extra_s, pays_s * config.home_wait_allowance))
 }
 
 /// What candidate `at`, the worker that held a follow-up's whole conversation before the

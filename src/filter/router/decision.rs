@@ -28,6 +28,19 @@ impl Fallback {
     }
 }
 
+/// A request held to its group's home past the home's load bound
+/// (`scoring.home_spares_homes`): what the decision log says.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PastBound {
+    /// Requests in flight at the home with this one.
+    pub carries: f64,
+    /// The home's load bound.
+    pub bound: f64,
+    /// The home's extra wait over the cost's choice and the most it may be, seconds
+    /// (`scoring.home_wait_allowance` times the preamble's weighted prefill).
+    pub wait: (f64, f64),
+}
+
 /// Why a request of a group did not go to its home, where its lowest-cost worker would
 /// recompute the group's preamble (`scoring.home_hold`, docs/ROUTING.md "Homes for groups").
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -114,10 +127,9 @@ pub struct Decision {
     /// The request went to its group's home instead of its lowest-cost worker
     /// (`scoring.home_hold`).
     pub home: bool,
-    /// With `home`: the home carries this many requests in flight with this one, past its
-    /// load bound (the second number), because the cost's choice is another group's home
-    /// that holds that group's preamble (`scoring.home_spares_homes`).
-    pub home_past_bound: Option<(f64, f64)>,
+    /// With `home`: the home was held to past its load bound, because the cost's choice is
+    /// another group's home that holds that group's preamble (`scoring.home_spares_homes`).
+    pub home_past_bound: Option<PastBound>,
     /// The group's home when the request was not held to it (its name and why): the
     /// preamble was recomputed on the chosen worker.
     pub home_let_go: Option<(String, LetGo)>,
@@ -230,9 +242,16 @@ impl Decision {
                 if self.home {
                     line.push_str("; its group's home");
                 }
-                if let Some((carries, bound)) = self.home_past_bound {
+                if let Some(past) = &self.home_past_bound {
                     line.push_str(&format!(
-                        ", {carries:.0} in flight there past its bound of {bound:.0}: the cost's choice is another group's home and holds its preamble"
+                        ", {:.0} in flight there past its bound of {:.0}",
+                        past.carries, past.bound
+                    ));
+                    let (extra_s, allowed_s) = past.wait;
+                    line.push_str(&format!(
+                        " and {:.1} ms more wait within {:.1} ms: the cost's choice is another group's home and holds its preamble",
+                        extra_s * 1e3,
+                        allowed_s * 1e3
                     ));
                 }
                 if let Some((name, why)) = &self.home_let_go {

@@ -3,10 +3,11 @@
 //! preamble (docs/ROUTING.md, "Homes for groups").
 
 use super::Router;
-use super::decision::LetGo;
+use super::decision::{LetGo, PastBound};
 use crate::scoring::{
     Candidate, Choice, ScoringConfig, goes_home, home_holds_its_footprint, home_load,
-    home_saves_preamble, home_spare_load, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
+    home_saves_preamble, home_spare_load, home_spare_wait, home_wait_pays_for_preamble,
+    wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
@@ -36,10 +37,10 @@ const SPEED_REBALANCE_ABOVE: f64 = 1.25;
 pub(super) enum HomeOutcome {
     /// Sent to its home against the cost.
     Held,
-    /// Sent to its home against the cost past its load bound (`carries` in flight with this
-    /// request, past `bound`), because the cost's choice is another group's home that holds
-    /// that group's preamble (`scoring.home_spares_homes`).
-    HeldPastBound { carries: f64, bound: f64 },
+    /// Sent to its home against the cost past its load bound, within the wait allowed,
+    /// because the cost's choice is another group's home that holds that group's preamble
+    /// (`scoring.home_spares_homes`).
+    HeldPastBound(PastBound),
     /// Its lowest-cost worker would recompute the preamble and the home (this slot) was not
     /// held to, for this reason: what the decision log says.
     LetGo(usize, LetGo),
@@ -135,13 +136,28 @@ impl Router {
             let bounded = loosened.as_ref().unwrap_or(scoring);
             if !goes_home(choice, candidates, index, preamble, bounded) {
                 let (carries, bound) = home_load(choice, candidates, at_home, bounded);
-                let spares = scoring.home_spares_homes
-                    && carries <= home_spare_load(candidates, at_home, bounded).1
-                    && self.choice_holds_another_home(&table, group, eligible, live, choice, store);
-                if !spares {
+                // `home_spares_homes`: held past the bound where the choice is another
+                // group's home, within `home_fit_load_factor` times the bound and the wait
+                // allowed.
+                let spared = scoring
+                    .home_spares_homes
+                    .then(|| home_spare_wait(choice, candidates, index, preamble, scoring))
+                    .flatten()
+                    .filter(|&(extra_s, allowed_s)| {
+                        extra_s <= allowed_s
+                            && carries <= home_spare_load(candidates, at_home, bounded).1
+                            && self.choice_holds_another_home(
+                                &table, group, eligible, live, choice, store,
+                            )
+                    });
+                let Some(wait) = spared else {
                     return HomeOutcome::LetGo(slot, LetGo::LoadBound { carries, bound });
-                }
-                past_bound = Some((carries, bound));
+                };
+                past_bound = Some(PastBound {
+                    carries,
+                    bound,
+                    wait,
+                });
             }
         }
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
@@ -189,7 +205,7 @@ impl Router {
         }
         choice.prefer(index);
         match past_bound {
-            Some((carries, bound)) => HomeOutcome::HeldPastBound { carries, bound },
+            Some(past) => HomeOutcome::HeldPastBound(past),
             None => HomeOutcome::Held,
         }
     }

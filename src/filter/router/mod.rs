@@ -323,14 +323,9 @@ impl Router {
             precise: live.precise,
             fallback: None,
             home: !back_to_conversation
-                && matches!(
-                    outcome,
-                    HomeOutcome::Held | HomeOutcome::HeldPastBound { .. }
-                ),
+                && matches!(outcome, HomeOutcome::Held | HomeOutcome::HeldPastBound(_)),
             home_past_bound: match outcome {
-                HomeOutcome::HeldPastBound { carries, bound } if !back_to_conversation => {
-                    Some((carries, bound))
-                }
+                HomeOutcome::HeldPastBound(past) if !back_to_conversation => Some(past),
                 _ => None,
             },
             conversation,

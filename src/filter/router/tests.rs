@@ -906,13 +906,14 @@ fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_anothe
         let b = with_system(&system, &png(600, 600), "Describe this image.");
         route(&mut r, &store, &b, 0, 0).total_blocks as u32
     };
-    let run = |on: bool, workers: usize| {
+    let run_within = |on: bool, workers: usize, wait_allowance: f64| {
         let store = MemoryStore::default();
         let mut config = home_hold(workers, 0.25);
         config.router.scoring.home_share_min_requests = 0.0;
         config.router.scoring.home_fit_load_factor = 2.0;
         config.router.scoring.home_wait_where_copy_fits = Some(false);
         config.router.scoring.home_spares_homes = on;
+        config.router.scoring.home_wait_allowance = wait_allowance;
         config.state.capacity_blocks = blocks;
         let mut r = start(&store, config);
         let mut other_home = usize::MAX;
@@ -934,6 +935,7 @@ fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_anothe
         }
         (slots, lines, other_home)
     };
+    let run = |on: bool, workers: usize| run_within(on, workers, 1e6);
     let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
     // Off: the third request, carrying 3 past ceil(1.25 × 3 / 2) = 2, goes away.
     let (off, _, _) = run(false, 2);
@@ -941,9 +943,9 @@ fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_anothe
     let (on, lines, _) = run(true, 2);
     assert_eq!(first_away(&on), None, "all at home: {on:?}");
     assert!(
-        lines[2].contains(
-            "its group's home, 3 in flight there past its bound of 2: the cost's choice is another group's home and holds its preamble"
-        ),
+        lines[2].contains("its group's home, 3 in flight there past its bound of 2 and ")
+            && lines[2]
+                .contains(" ms: the cost's choice is another group's home and holds its preamble"),
         "{}",
         lines[2]
     );
@@ -965,6 +967,11 @@ fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_anothe
             .get(2)
             .is_some_and(|l| !l.contains("another group's home"))
     );
+    // The limit in time (`home_wait_allowance` times the preamble's weighted prefill): the
+    // home's queue of two requests with images waits longer than the preamble's weighted
+    // prefill, so at 1 the third request goes as without the option.
+    let (short, _, _) = run_within(true, 2, 1.0);
+    assert_eq!(first_away(&short), Some(2), "{short:?}");
 }
 
 #[test]
