@@ -637,8 +637,8 @@ pub fn home_spare_load(
 
 /// With `home_spares_homes`: the home's extra wait over the chosen worker's, and the most it
 /// may be for a request past the load bound to stay home: `home_wait_allowance` times the
-/// preamble's weighted prefill ([`wait_against_recompute`]), as a hold's wait is allowed where
-/// a copy fits ([`wait_past_a_copy_that_fits`]).
+/// preamble's weighted prefill ([`allowed_wait`]), as a hold's wait is allowed where a copy
+/// fits ([`wait_past_a_copy_that_fits`]).
 pub fn home_spare_wait(
     choice: &Choice,
     candidates: &[Candidate],
@@ -646,9 +646,28 @@ pub fn home_spare_wait(
     preamble_blocks: usize,
     config: &ScoringConfig,
 ) -> Option<(f64, f64)> {
-    let (extra_s, pays_s) =
-        wait_against_recompute(choice, candidates, home, preamble_blocks, config)?;
-    Some((extra_s, pays_s * config.home_wait_allowance))
+    allowed_wait(
+        choice,
+        candidates,
+        home,
+        preamble_blocks,
+        config.home_wait_allowance,
+        config,
+    )
+}
+
+/// Candidate `at`'s extra wait over the chosen worker's, and the wait a hold allows there:
+/// `allowance` times the weighted prefill of `blocks` ([`wait_against_recompute`]), seconds.
+pub fn allowed_wait(
+    choice: &Choice,
+    candidates: &[Candidate],
+    at: usize,
+    blocks: usize,
+    allowance: f64,
+    config: &ScoringConfig,
+) -> Option<(f64, f64)> {
+    let (extra_s, pays_s) = wait_against_recompute(choice, candidates, at, blocks, config)?;
+    Some((extra_s, pays_s * allowance))
 }
 
 /// What candidate `at`, the worker that held a follow-up's whole conversation before the
@@ -739,8 +758,7 @@ pub struct WaitPast {
 
 /// What the holds' wait rules (`home_wait_where_copy_fits`,
 /// `conversation_wait_where_copy_fits`) let a request go for: candidate `at`'s extra wait and
-/// the wait it is allowed (`allowance` times the weighted prefill of `blocks`,
-/// [`wait_against_recompute`]), where the wait is longer and the chosen worker's cache holds a
+/// the wait it is allowed ([`allowed_wait`]), where the wait is longer and the chosen worker's cache holds a
 /// copy of the request's new blocks on top of what it took recently (as
 /// [`home_holds_its_footprint`] asks of a home: the copy evicts nothing another request would
 /// find), or the copy is small ([`copy_is_small`]: a cache that turns over anyway loses little
@@ -759,8 +777,7 @@ pub fn wait_past_a_copy_that_fits(
     if !fits && !small {
         return None;
     }
-    let (extra_s, pays_s) = wait_against_recompute(choice, candidates, at, blocks, config)?;
-    let allowed_s = pays_s * allowance;
+    let (extra_s, allowed_s) = allowed_wait(choice, candidates, at, blocks, allowance, config)?;
     (extra_s > allowed_s).then_some(WaitPast {
         extra_s,
         allowed_s,
