@@ -758,8 +758,8 @@ pub struct WaitPast {
 
 /// What the holds' wait rules (`home_wait_where_copy_fits`,
 /// `conversation_wait_where_copy_fits`) let a request go for: candidate `at`'s extra wait and
-/// the wait it is allowed ([`allowed_wait`]), where the wait is longer and the chosen worker's cache holds a
-/// copy of the request's new blocks on top of what it took recently (as
+/// the wait it is allowed ([`allowed_wait`]), where the wait is longer and the chosen
+/// worker's cache holds a copy of the request's new blocks on top of what it took recently (as
 /// [`home_holds_its_footprint`] asks of a home: the copy evicts nothing another request would
 /// find), or the copy is small ([`copy_is_small`]: a cache that turns over anyway loses little
 /// to it). None where the hold stands.
