@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """mmrouter against SGLang over several harness runs: one pair per (run, seed), pooled.
 
-    python3 benches/compare/pool.py [--against SYSTEM] DIR[:SYSTEM] ...
+    python3 benches/compare/pool.py [--against SYSTEM] [--by-seed] DIR[:SYSTEM] ...
         # DIR:SYSTEM: mmrouter's row in that run (default mmrouter); --against: sglang
+        # --by-seed: one pair per seed, the mean over every run and repeat of that seed
 
 Single runs of a tight-cache cell move by about ±0.04, so one run's ratio says little. This
 takes every run directory given (each a `scripts/bench-compare --out`), pairs mmrouter's
@@ -11,7 +12,9 @@ hit rate with SGLang's (or --against's) of the same run, family, worker count, s
 and worker count: pairs, mean hit rates, their ratio, the mean difference ± its standard
 error, the pairs where mmrouter was at or above, the one-worker bound's mean over the same
 runs and seeds (where the runs have it), and the mean of the runs' TTFT p99 (with the pairs
-where mmrouter's was lower or equal). A markdown table on stdout.
+where mmrouter's was lower or equal). A markdown table on stdout. With `--by-seed` the pairs
+are seeds: each side's hit rate and TTFT p99 are its means over the seed's runs and repeats,
+so that the standard error is over seeds, not over runs of one seed.
 """
 import json
 import math
@@ -32,8 +35,27 @@ def pairs(spec, against):
             yield (fam, w), r, g, by.get((fam, w, seed, "bound", rep), by.get((fam, w, seed, "bound", 0)))
 
 
+def by_seed(ps):
+    """(mmrouter, against) pairs of one cell averaged per seed: one pair of means a seed."""
+    seeds = {}
+    for r, g in ps:
+        seeds.setdefault(r["seed"], []).append((r, g))
+
+    def mean(rows, key):
+        values = [x.get(key) for x in rows]
+        return None if None in values else statistics.fmean(values)
+
+    out = []
+    for _, runs in sorted(seeds.items()):
+        sides = ([r for r, _ in runs], [g for _, g in runs])
+        out.append(tuple({k: mean(rows, k) for k in ("hit_rate", "ttft_p99")} for rows in sides))
+    return out
+
+
 def main(argv):
     against = "sglang"
+    seeded = "--by-seed" in argv
+    argv = [a for a in argv if a != "--by-seed"]
     if "--against" in argv:
         i = argv.index("--against")
         against = argv[i + 1]
@@ -47,6 +69,8 @@ def main(argv):
           f"{against} | bound | TTFT p99 s, mmrouter / {against} (mmrouter lower or equal) |")
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for (fam, w), ps in sorted(cells.items()):
+        if seeded:
+            ps = by_seed(ps)
         bs = bounds.get((fam, w), [])
         bound = f"{statistics.fmean(bs):.3f}" if bs and None not in bs else "-"
         a = [r["hit_rate"] for r, _ in ps]
@@ -66,6 +90,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[-1] == "--against":
+    if len([a for a in sys.argv[1:] if a != "--by-seed"]) < 1 or sys.argv[-1] == "--against":
         sys.exit(__doc__)
     main(sys.argv[1:])

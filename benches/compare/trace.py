@@ -124,6 +124,15 @@ HELD_OUT = {
                         system_words=[80, 350], turns_weights=[1, 1, 1, 1],
                         images_weights=[0.3, 0.5, 0.2], gpu_blocks=2048,
                         worker_speeds=[1.0, 0.4]),
+    # Written in the 197th run: closed loop, 8 users; 24 system prompts of 60-300 words (many
+    # more groups than workers), 100 sessions of 1-4 turns; a tight cache.
+    "many-prompts": dict(SESSIONS, sessions=100, system_prompts=24, system_words=[60, 300],
+                         gpu_blocks=1024),
+    # Written in the 197th run: no images at all (SGLang's own ground: its match on the text
+    # is exact there), longer user turns; closed loop, 8 users; 128 blocks per worker (2,048
+    # tokens): text alone fits 1024 blocks, where every router reached the bound.
+    "text-only": dict(SESSIONS, image_pool=None, images_weights=[1.0], user_words=[20, 120],
+                      gpu_blocks=128),
 }
 
 
