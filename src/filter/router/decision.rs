@@ -41,6 +41,16 @@ pub struct PastBound {
     pub wait: (f64, f64),
 }
 
+/// How a request was sent to its group's home against the cost (`scoring.home_hold`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HomeHold {
+    /// Within the home's load bound (or `home_fit_load_factor` times it).
+    Held,
+    /// Past the home's load bound, because the cost's choice is another group's home that
+    /// holds that group's preamble (`scoring.home_spares_homes`).
+    PastBound(PastBound),
+}
+
 /// Why a request of a group did not go to its home, where its lowest-cost worker would
 /// recompute the group's preamble (`scoring.home_hold`, docs/ROUTING.md "Homes for groups").
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -124,12 +134,9 @@ pub struct Decision {
     /// The decision used the engine's KV events (the sidecar's feed was fresh).
     pub precise: bool,
     pub fallback: Option<Fallback>,
-    /// The request went to its group's home instead of its lowest-cost worker
+    /// The request went to its group's home instead of its lowest-cost worker, and how
     /// (`scoring.home_hold`).
-    pub home: bool,
-    /// With `home`: the home was held to past its load bound, because the cost's choice is
-    /// another group's home that holds that group's preamble (`scoring.home_spares_homes`).
-    pub home_past_bound: Option<PastBound>,
+    pub home: Option<HomeHold>,
     /// The group's home when the request was not held to it (its name and why): the
     /// preamble was recomputed on the chosen worker.
     pub home_let_go: Option<(String, LetGo)>,
@@ -239,10 +246,10 @@ impl Decision {
                     e.recompute_s * 1e3,
                     self.mode(),
                 );
-                if self.home {
+                if self.home.is_some() {
                     line.push_str("; its group's home");
                 }
-                if let Some(past) = &self.home_past_bound {
+                if let Some(HomeHold::PastBound(past)) = &self.home {
                     line.push_str(&format!(
                         ", {:.0} in flight there past its bound of {:.0}",
                         past.carries, past.bound

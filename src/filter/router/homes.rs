@@ -3,7 +3,7 @@
 //! preamble (docs/ROUTING.md, "Homes for groups").
 
 use super::Router;
-use super::decision::{LetGo, PastBound};
+use super::decision::{HomeHold, LetGo, PastBound};
 use crate::scoring::{
     Candidate, Choice, ScoringConfig, goes_home, home_holds_its_footprint, home_load,
     home_saves_preamble, home_spare_load, home_spare_wait, home_wait_pays_for_preamble,
@@ -35,12 +35,9 @@ const SPEED_REBALANCE_ABOVE: f64 = 1.25;
 /// What [`Router::hold_home`] did with a request of a group.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum HomeOutcome {
-    /// Sent to its home against the cost.
-    Held,
-    /// Sent to its home against the cost past its load bound, within the wait allowed,
-    /// because the cost's choice is another group's home that holds that group's preamble
-    /// (`scoring.home_spares_homes`).
-    HeldPastBound(PastBound),
+    /// Sent to its home against the cost: within its load bound, or past it within the wait
+    /// allowed (`scoring.home_spares_homes`).
+    Held(HomeHold),
     /// Its lowest-cost worker would recompute the preamble and the home (this slot) was not
     /// held to, for this reason: what the decision log says.
     LetGo(usize, LetGo),
@@ -205,8 +202,8 @@ impl Router {
         }
         choice.prefer(index);
         match past_bound {
-            Some(past) => HomeOutcome::HeldPastBound(past),
-            None => HomeOutcome::Held,
+            Some(past) => HomeOutcome::Held(HomeHold::PastBound(past)),
+            None => HomeOutcome::Held(HomeHold::Held),
         }
     }
 

@@ -322,10 +322,8 @@ impl Router {
             probes: prefix.probes,
             precise: live.precise,
             fallback: None,
-            home: !back_to_conversation
-                && matches!(outcome, HomeOutcome::Held | HomeOutcome::HeldPastBound(_)),
-            home_past_bound: match outcome {
-                HomeOutcome::HeldPastBound(past) if !back_to_conversation => Some(past),
+            home: match outcome {
+                HomeOutcome::Held(hold) if !back_to_conversation => Some(hold),
                 _ => None,
             },
             conversation,
@@ -498,8 +496,7 @@ impl Router {
             probes: 0,
             precise: live.precise,
             fallback: Some(why),
-            home: false,
-            home_past_bound: None,
+            home: None,
             home_let_go: None,
             conversation: None,
             recorded: end.is_some(),

@@ -308,7 +308,7 @@ fn a_follow_up_goes_back_to_its_conversation_within_the_holds_bound() {
     assert!(back.matched_blocks > moved.matched_blocks);
     assert!(back.matched_blocks < back.total_blocks);
     assert!(matches!(&back.conversation, Some(Conversation::Held(n)) if *n == format!("w{home}")));
-    assert!(!back.home);
+    assert!(back.home.is_none());
     assert!(
         back.log_line().contains("; back to its conversation"),
         "{}",
@@ -422,7 +422,7 @@ fn group_request_behind(
 fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fits() {
     let (held, home) = group_request_behind_a_queue(false, 1.0);
     assert_eq!(held.target.slot, home);
-    assert!(held.home, "{}", held.log_line());
+    assert!(held.home.is_some(), "{}", held.log_line());
     // The log names what the hold overruled: the cost's own choice, cheaper than the home.
     let Some((cost_choice, _, alt)) = &held.overruled else {
         panic!("the hold overruled the cost: {}", held.log_line());
@@ -437,7 +437,7 @@ fn a_group_waits_at_its_home_only_while_the_wait_costs_less_than_a_copy_that_fit
     );
     let (away, home) = group_request_behind_a_queue(true, 1.0);
     assert_ne!(away.target.slot, home);
-    assert!(!away.home);
+    assert!(away.home.is_none());
     let Some((
         name,
         LetGo::Wait(WaitPast {
@@ -490,7 +490,7 @@ fn by_default_the_wait_bounds_a_home_only_where_its_load_bound_cannot_with_two_w
     );
     let (held, home) = group_request_behind_a_queue_with(home_hold(4, 1.0));
     assert_eq!(held.target.slot, home, "{}", held.log_line());
-    assert!(held.home && held.home_let_go.is_none());
+    assert!(held.home.is_some() && held.home_let_go.is_none());
 }
 
 #[test]
@@ -538,7 +538,7 @@ fn a_small_copy_is_let_go_from_a_slow_home_where_the_cache_turns_over() {
             held.log_line()
         );
         assert!(
-            held.home && held.home_let_go.is_none(),
+            held.home.is_some() && held.home_let_go.is_none(),
             "{}",
             held.log_line()
         );
@@ -565,7 +565,7 @@ fn a_group_waits_at_its_home_while_the_wait_is_within_its_allowance() {
     let allowance = 1.5 * extra_s / pays_s;
     let (held, home) = group_request_behind_a_queue(true, allowance);
     assert_eq!(held.target.slot, home, "{}", held.log_line());
-    assert!(held.home && held.home_let_go.is_none());
+    assert!(held.home.is_some() && held.home_let_go.is_none());
     // Just under the wait: let go, and the log names the allowed wait.
     let (away, _) = group_request_behind_a_queue(true, 0.9 * extra_s / pays_s);
     let Some((_, LetGo::Wait(WaitPast { allowed_s, .. }))) = away.home_let_go else {
@@ -636,7 +636,7 @@ fn two_groups(r: &mut Router, store: &MemoryStore) -> Vec<(usize, usize, bool)> 
         // None finishes: the load spreads them, and only the homes keep groups together.
         let d = route(r, store, &b, t, u64::from(i));
         apply(store, r, t + 600);
-        out.push((g, d.target.slot, d.home));
+        out.push((g, d.target.slot, d.home.is_some()));
     }
     out
 }
@@ -740,7 +740,7 @@ fn at_start_up_the_first_group_seen_is_held_to_its_home() {
             let b = with_system(&system, &png(700 + i, 600), "Describe this image.");
             // Routed 1 ms apart, before the state writer has recorded the first's blocks.
             let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
-            slots.push((d.target.slot, d.home, d.log_line()));
+            slots.push((d.target.slot, d.home.is_some(), d.log_line()));
         }
         slots
     };
@@ -796,7 +796,7 @@ fn fill_home_after(config: FilterConfig, others: u32) -> (Vec<usize>, bool, Vec<
         let d = route(&mut r, &store, &b, u64::from(i), u64::from(i));
         apply(&store, &r, u64::from(i) + 1);
         slots.push(d.target.slot);
-        held |= d.home;
+        held |= d.home.is_some();
         lines.push(d.log_line());
     }
     (slots, held, lines)
@@ -1088,7 +1088,7 @@ fn one_application(capacity_blocks: Option<u32>, lift: bool, gap_ms: u64) -> Vec
             let d = route(&mut r, &store, &b, t, u64::from(i));
             apply(&store, &r, t + 1);
             assert!(r.finished(&store, &d, (t + 5) * 1000, true));
-            (d.target.slot, d.home)
+            (d.target.slot, d.home.is_some())
         })
         .collect()
 }
@@ -1178,7 +1178,7 @@ fn hot_group(hot: u32, fit_max_traffic: f64) -> Vec<(bool, usize, bool)> {
             let d = route(&mut r, &store, &b, t, u64::from(i));
             apply(&store, &r, t + 1);
             assert!(r.finished(&store, &d, (t + 5) * 1000, true));
-            (hot_one, d.target.slot, d.home)
+            (hot_one, d.target.slot, d.home.is_some())
         })
         .collect()
 }
