@@ -115,7 +115,7 @@
 //!   `home_spares_homes` (off by default), where the request would go to another group's
 //!   home that still holds that group's preamble, it stays home past the bound, up to
 //!   `home_fit_load_factor` times it, while the home's extra wait is at most
-//!   `home_wait_allowance` times the preamble's weighted prefill ([`home_spare_wait`]). A
+//!   `home_wait_allowance` times the preamble's weighted prefill ([`allowed_wait`]). A
 //!   home whose cache still holds what it took recently (its footprint, at least the blocks
 //!   of the prefill queued there, plus this request's new blocks within its capacity) may
 //!   carry up to `home_fit_load_factor` (default 2) times that bound: there a short wait
@@ -235,7 +235,7 @@ pub struct ScoringConfig {
     pub home_load_by_groups: bool,
     /// A group's request past its home's load bound is still held to its home, up to
     /// `home_fit_load_factor` times the bound and while the home's extra wait is at most
-    /// `home_wait_allowance` times the preamble's weighted prefill ([`home_spare_wait`]),
+    /// `home_wait_allowance` times the preamble's weighted prefill ([`allowed_wait`]),
     /// where the cost's choice is another group's home whose cache still holds that group's
     /// preamble (default false). Sent there, the request would interleave two groups in one
     /// worker's cache, and under a tight cache each evicts the other's preamble and images;
@@ -633,27 +633,6 @@ pub fn home_spare_load(
 ) -> (f64, f64) {
     let (carries, bound) = load_bound(candidates, home, config);
     (carries, fit_limit(bound, config))
-}
-
-/// With `home_spares_homes`: the home's extra wait over the chosen worker's, and the most it
-/// may be for a request past the load bound to stay home: `home_wait_allowance` times the
-/// preamble's weighted prefill ([`allowed_wait`]), as a hold's wait is allowed where a copy
-/// fits ([`wait_past_a_copy_that_fits`]).
-pub fn home_spare_wait(
-    choice: &Choice,
-    candidates: &[Candidate],
-    home: usize,
-    preamble_blocks: usize,
-    config: &ScoringConfig,
-) -> Option<(f64, f64)> {
-    allowed_wait(
-        choice,
-        candidates,
-        home,
-        preamble_blocks,
-        config.home_wait_allowance,
-        config,
-    )
 }
 
 /// Candidate `at`'s extra wait over the chosen worker's, and the wait a hold allows there:

@@ -5,9 +5,8 @@
 use super::Router;
 use super::decision::{HomeHold, LetGo, PastBound};
 use crate::scoring::{
-    Candidate, Choice, ScoringConfig, goes_home, home_holds_its_footprint, home_load,
-    home_saves_preamble, home_spare_load, home_spare_wait, home_wait_pays_for_preamble,
-    wait_past_a_copy_that_fits,
+    Candidate, Choice, ScoringConfig, allowed_wait, goes_home, home_holds_its_footprint, home_load,
+    home_saves_preamble, home_spare_load, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
@@ -138,7 +137,10 @@ impl Router {
                 // allowed.
                 let spared = scoring
                     .home_spares_homes
-                    .then(|| home_spare_wait(choice, candidates, index, preamble, scoring))
+                    .then(|| {
+                        let allowance = scoring.home_wait_allowance;
+                        allowed_wait(choice, candidates, index, preamble, allowance, scoring)
+                    })
                     .flatten()
                     .filter(|&(extra_s, allowed_s)| {
                         extra_s <= allowed_s
