@@ -254,6 +254,25 @@ pub struct Plan {
     claim: u64,
     /// ms since the epoch after which nothing is waited for.
     pub deadline_ms: u64,
+    /// The URLs this request has claimed to GET: at most `fetch.max_images`.
+    gets: usize,
+}
+
+/// The step a cache lookup settles: the image, its failure, or waiting for the request
+/// that is fetching it; None on a miss.
+fn of_lookup(l: Lookup) -> Option<Step> {
+    match l {
+        Lookup::Fetched(image) => Some(Step::Done {
+            image,
+            from_cache: true,
+        }),
+        Lookup::Failed(code) => Some(Step::Failed {
+            failure: Failure::of_code(code),
+            cached: true,
+        }),
+        Lookup::InFlight { .. } => Some(Step::Waiting),
+        Lookup::Miss => None,
+    }
 }
 
 impl Plan {
@@ -273,8 +292,8 @@ impl Plan {
             items: Vec::with_capacity(urls.len()),
             claim,
             deadline_ms: now_ms.saturating_add(config.deadline_ms),
+            gets: 0,
         };
-        let mut fetchable = 0usize;
         for &(index, url) in urls {
             let key = urls::url_key(url);
             // The same URL twice in one request: one plan entry serves both.
@@ -295,14 +314,7 @@ impl Plan {
                     failure: Failure::Refused(r),
                     cached: false,
                 },
-                Ok(_) if fetchable >= config.max_images => Step::Failed {
-                    failure: Failure::Refused(Refusal::TooMany),
-                    cached: false,
-                },
-                Ok(target) => {
-                    fetchable += 1;
-                    plan.resolve(target, key, config, store, keys, now_ms)
-                }
+                Ok(target) => plan.resolve(target, key, config, store, keys, now_ms),
             };
             plan.items.push(Item {
                 index,
@@ -319,12 +331,16 @@ impl Plan {
             items: Vec::new(),
             claim: 0,
             deadline_ms: 0,
+            gets: 0,
         }
     }
 
-    /// Cache first, then a claim; what the item does next.
+    /// The step for URL key `url`: from the shared cache (its image, its failure, or waiting
+    /// for the request that is fetching it), else a GET this request claims. `max_images`
+    /// bounds the GETs, not the URLs: an image the cache already knows does not count, so a
+    /// conversation that re-sends its earlier images by URL still identifies its newest.
     fn resolve(
-        &self,
+        &mut self,
         target: Target,
         url: u128,
         config: &FetchConfig,
@@ -332,23 +348,17 @@ impl Plan {
         keys: &Keys,
         now_ms: u64,
     ) -> Step {
-        let of_lookup = |l: Lookup| match l {
-            Lookup::Fetched(image) => Some(Step::Done {
-                image,
-                from_cache: true,
-            }),
-            Lookup::Failed(code) => Some(Step::Failed {
-                failure: Failure::of_code(code),
-                cached: true,
-            }),
-            Lookup::InFlight { .. } => Some(Step::Waiting),
-            Lookup::Miss => None,
-        };
         if let Some(step) = of_lookup(urls::lookup(store, keys, &config.cache, url, now_ms)) {
             return step;
         }
+        if self.gets >= config.max_images {
+            return Step::Failed {
+                failure: Failure::Refused(Refusal::TooMany),
+                cached: false,
+            };
+        }
         let hold = config.timeout_ms.saturating_add(500);
-        match urls::claim(store, keys, &config.cache, url, self.claim, now_ms, hold) {
+        let step = match urls::claim(store, keys, &config.cache, url, self.claim, now_ms, hold) {
             Claim::Claimed => Step::Send {
                 target,
                 claimed: true,
@@ -360,7 +370,11 @@ impl Plan {
                 claimed: false,
                 hops: 0,
             },
+        };
+        if matches!(step, Step::Send { .. }) {
+            self.gets += 1;
         }
+        step
     }
 
     /// The GETs to send now: (item position, target).
@@ -723,6 +737,44 @@ mod tests {
         assert_eq!(c.cluster_for(&https), "mmrouter_fetch_guard_tls");
         let https_ip = g.check("https://93.184.216.34/x.png").expect("allowed");
         assert_eq!(c.cluster_for(&https_ip), "mmrouter_fetch_tls");
+    }
+
+    #[test]
+    fn the_image_cap_counts_fetches_so_a_conversation_keeps_its_newest_images() {
+        let (c, g, s, k) = setup(&["127.0.0.1:8765"]);
+        let urls: Vec<String> = (0..8)
+            .map(|i| format!("http://127.0.0.1:8765/{i}.png"))
+            .collect();
+        let turn = |n: usize| -> Vec<(usize, &str)> {
+            urls.iter()
+                .take(n)
+                .map(|u| u.as_str())
+                .enumerate()
+                .collect()
+        };
+        // Turn 1: three images, the cap (3); all fetched.
+        let mut p = Plan::new(&turn(3), &c, &g, &s, &k, 1, 1000);
+        let sends = p.to_send();
+        assert_eq!(sends.len(), 3);
+        for (token, (pos, _)) in (1u32..).zip(sends) {
+            p.sent(pos, Some(token), &c, &s, &k, 1000);
+            let reply = Reply::Image(Ok(image(u128::from(token))));
+            p.on_reply(token, reply, &c, &g, &s, &k, 1010);
+        }
+        assert_eq!(p.counts(), (3, 0, 0));
+        // Turn 2 re-sends them and adds three: the three known ones come from the cache and
+        // the new ones are fetched, none refused as too many.
+        let q = Plan::new(&turn(6), &c, &g, &s, &k, 2, 1100);
+        assert_eq!(q.counts(), (0, 3, 0));
+        let sent: Vec<usize> = q.to_send().iter().map(|(pos, _)| *pos).collect();
+        assert_eq!(sent, vec![3, 4, 5]);
+        assert!(q.failures().is_empty());
+        // Four new images in one request: the fourth GET is past the cap.
+        let (c, g, s, k) = setup(&["127.0.0.1:8765"]);
+        let r = Plan::new(&turn(4), &c, &g, &s, &k, 3, 1200);
+        assert_eq!(r.to_send().len(), 3);
+        let reasons: Vec<&str> = r.failures().iter().map(|f| f.reason()).collect();
+        assert_eq!(reasons, vec!["too_many"]);
     }
 
     #[test]
