@@ -8,10 +8,13 @@ prompt's block ids that the offline bounds (sim.py) need. The replay checks each
 answer against the precomputed one (`answer_mismatch` in the results).
 """
 import json
+import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trace as tracegen
+
+DATA_URL = re.compile(rb"data:image/[a-z]+;base64,[A-Za-z0-9+/=]+")
 
 
 @dataclass
@@ -74,6 +77,15 @@ def expand(header, turns, pool, tool):
                 think=t.get("think", 0.0), at=t.get("at", 0.0)))
             messages.append({"role": "assistant", "content": d["output"]})
     return out
+
+
+def by_url(requests, pool, base):
+    """Copies of `requests` whose images are http URLs on the image server at `base`, not
+    inline data URLs. Block ids, tokens and answers stay: the mock keys an image by its bytes,
+    however they arrived."""
+    urls = {pool.data_url(i).encode(): pool.http_url(i, base).encode() for i in pool.specs}
+    swap = lambda m: urls[m.group(0)]  # noqa: E731  (every data URL of a trace is the pool's)
+    return [replace(r, body=DATA_URL.sub(swap, r.body)) for r in requests]
 
 
 def fit_to_cache(requests, gpu_blocks, block_size=16):

@@ -13,12 +13,17 @@ Systems (each gets its own fresh workers, so every cache starts empty):
   envoy-rr     plain Envoy (render.py --no-filter), round robin over the same workers
   bound        not a router: one mock worker with an unbounded cache and no emulated time
 
+Families of images by URL (`image_source="url"`) are served by `ImageServer` over loopback;
+mmrouter's Envoy is rendered with that address in `fetch.allow`, and the images its filter
+fetched are counted from Envoy's stats (`filter_image_fetches` in the results).
+
 MMROUTER_CMP_KEEP_LOGS=1 keeps each run's directory (Envoy's, the sidecar's and the workers'
 logs, the rendered configuration) instead of removing it; its path is printed. With
 --router-config L=FILE holding {"decision_log": "info"}, envoy.log then has every decision
 with the wait and recompute it weighed.
 """
 import asyncio
+import atexit
 import json
 import os
 import re
@@ -73,13 +78,14 @@ class Fleet:
     """Mock workers, one per list of flags in `worker_args`, and one system in front of them;
     every process is stopped on close."""
 
-    def __init__(self, system, worker_args, tools, router_config=None):
+    def __init__(self, system, worker_args, tools, router_config=None, fetch_allow=None):
         self.tmp = Path(tempfile.mkdtemp(prefix=f"mmrouter-cmp-{system}-"))
         self.procs = []
         self.workers = []  # (name, "127.0.0.1:port", log path)
         self.system = system
         self.tools = tools
         self.events = {}  # name -> (events endpoint, replay endpoint), precise mode
+        self.fetch_allow = fetch_allow  # "ip:port" of the image server, for URL images
         precise = system.startswith("mmrouter") and system != "mmrouter-approx"
         try:
             for i, args in enumerate(worker_args):
@@ -158,10 +164,11 @@ class Fleet:
         """Envoy from envoy/render.py's command line, as scripts/run renders it; no plugin
         configuration = no filter (round robin); `sidecar` = (address, EDS file)."""
         path = self.tmp / "envoy.yaml"
+        self.admin_port = free_port()
         cmd = [sys.executable, str(ROOT / "envoy/render.py"),
                "--workers", ",".join(a for _, a, _ in self.workers),
                "--names", ",".join(n for n, _, _ in self.workers),
-               "--port", str(self.port), "--admin-port", str(free_port()), "--out", str(path)]
+               "--port", str(self.port), "--admin-port", str(self.admin_port), "--out", str(path)]
         if plugin_config is None:
             cmd.append("--no-filter")
         else:
@@ -170,6 +177,8 @@ class Fleet:
             cmd += ["--wasm", str(self.tools["wasm"]), "--router-config", str(cfg)]
             if sidecar:
                 cmd += ["--sidecar", sidecar[0], "--eds-file", str(sidecar[1])]
+            if self.fetch_allow:
+                cmd += ["--fetch-allow", self.fetch_allow]
         subprocess.run(cmd, check=True)
         log = self.tmp / "envoy.log"
         self.procs.append(subprocess.Popen(
@@ -196,6 +205,17 @@ class Fleet:
             return status == 200 and body.count("127.0.0.1:") >= len(urls)
 
         wait_until(ready, 60, "sglang router", self.procs[-1], log)
+
+    def image_fetches(self):
+        """Images Envoy fetched for the filter: 2xx answers on its mmrouter_fetch* clusters,
+        from Envoy's admin stats (cluster.NAME.upstream_rq_2xx, not its internal/external
+        split); None without Envoy."""
+        if getattr(self, "admin_port", None) is None:
+            return None
+        _, text = http_get(f"http://127.0.0.1:{self.admin_port}/stats?filter=^cluster%5C.mmrouter_fetch",
+                           timeout=5)
+        return sum(int(v) for k, v in (line.split(": ", 1) for line in text.splitlines() if ": " in line)
+                   if len(k.split(".")) == 3 and k.endswith(".upstream_rq_2xx"))
 
     def metrics(self):
         out = {}
@@ -230,6 +250,42 @@ class Fleet:
             print(f"replay: logs kept in {self.tmp}", file=sys.stderr)
         else:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# The image server's process: Python's http.server with HTTP/1.1 keep-alive and a listen
+# backlog of 1024. `python -m http.server` listens with a backlog of 5: a first wave of
+# requests, each fetching its images from the router and the worker at once, overflows it,
+# and a dropped SYN is retried after a second, which the first turns' TTFT then shows.
+IMAGE_SERVER = """
+import functools, http.server, sys
+class Server(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024
+class Handler(http.server.SimpleHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+Server(("127.0.0.1", int(sys.argv[2])),
+       functools.partial(Handler, directory=sys.argv[1])).serve_forever()
+"""
+
+
+class ImageServer:
+    """The image pool's directory over loopback HTTP (`IMAGE_SERVER`, its own process), for
+    families whose images are URLs; stopped when the harness exits."""
+
+    def __init__(self, directory):
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        self.url = f"http://{self.address}"
+        self.proc = subprocess.Popen([sys.executable, "-c", IMAGE_SERVER, str(directory), str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        atexit.register(self.close)
+        wait_until(lambda: http_get(self.url + "/")[0] == 200, 20, "image server", self.proc)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
 
 
 def parse_metrics(text):

@@ -111,6 +111,7 @@ class Plan:
         self.tools = tools
         self.cells = {}  # (family, seed) -> dict(header, requests, gpu_blocks, dropped, ...)
         self._expanded = {}
+        self.image_server = None  # replay.ImageServer, started by the first URL-image family
 
     def cell(self, family, seed, trace_file=None):
         key = (family, seed)
@@ -145,12 +146,18 @@ class Plan:
             finally:
                 tool.close()
         reqs, dropped = blocks.fit_to_cache(self._expanded[tkey], gpu, BLOCK_SIZE)
+        fetch_allow = None
+        if header.get("params", {}).get("image_source") == "url":
+            if self.image_server is None:
+                self.image_server = replay.ImageServer(self.pool_dir)
+            reqs = blocks.by_url(reqs, pool, self.image_server.url)
+            fetch_allow = self.image_server.address
         tdir = Path(a.out) / "traces"
         tdir.mkdir(parents=True, exist_ok=True)
         tracegen.save(tdir / f"{family}-seed{seed}.jsonl", header, turns)
         order = sim.nominal_order(reqs, header["arrival"], a.prefill_tps, a.decode_tps, a.encoder_ms)
         c = {"header": header, "requests": reqs, "gpu_blocks": gpu, "dropped": dropped,
-             "worker_speeds": speeds,
+             "worker_speeds": speeds, "fetch_allow": fetch_allow,
              "order": order, "summary": tracegen.summary(header, turns, pool),
              "set_key": (tkey, gpu if dropped else None)}
         c["summary"].update(requests_replayed=len(reqs), requests_dropped_too_long=dropped,
@@ -183,16 +190,20 @@ def run_system(a, tools, system, n_workers, cell, variants):
         args = [worker_args(a, cell["gpu_blocks"], a.time_scale,
                             tracegen.worker_speed(cell["worker_speeds"], i))
                 for i in range(n_workers)]
-        fleet = replay.Fleet(system, args, tools, variants.get(system))
+        fleet = replay.Fleet(system, args, tools, variants.get(system), cell["fetch_allow"])
         factor = scale = a.time_scale
     try:
         records, wall = asyncio.run(replay.replay(fleet.url, cell["requests"], header["arrival"],
                                                   factor, a.deadline))
         time.sleep(0.3)  # let the last finished lines reach the worker logs
         metrics = fleet.metrics()
+        fetches = (fleet.image_fetches() if cell["fetch_allow"] and system.startswith("mmrouter")
+                   else None)
     finally:
         fleet.close()
     s = report.summarize(records, metrics, wall, len(cell["requests"]), scale, BLOCK_SIZE)
+    if fetches is not None:
+        s["filter_image_fetches"] = fetches
     if system == "bound":
         # The simulator against the mock: the same requests in the order they were sent.
         by_key = {(r.session, r.turn): r for r in cell["requests"]}

@@ -9,8 +9,9 @@ worker, unbounded cache) and the sim reference are at least round robin's; sim d
 the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's;
 the prebuilt requests match what the mock computed (answers and prompt tokens); the simulator
 reproduces the bound run's cached tokens; no run failed or had errors; mmrouter rows carry a
-prediction error and a TTFT forecast error; every system named by --systems has run (a system
-that failed to start leaves no result).
+prediction error and a TTFT forecast error; in families of URL images the filter fetched
+through Envoy at least once and at most once per image; every system named by --systems has
+run (a system that failed to start leaves no result).
 """
 import json
 import sys
@@ -72,6 +73,13 @@ def check(out, min_requests, expected=()):
         if r.get("answer_mismatch") or r.get("prompt_tokens_mismatch"):
             problems.append(f"{tag}: {r.get('answer_mismatch')} answers and "
                             f"{r.get('prompt_tokens_mismatch')} prompt token counts differ from trace-blocks")
+        trace = out / "traces" / f"{r['family']}-seed{r['seed']}.jsonl"
+        header = json.loads(trace.read_text().split("\n", 1)[0]) if trace.exists() else {}
+        if header.get("params", {}).get("image_source") == "url" and r["system"].startswith("mmrouter"):
+            # Each image once per Envoy: at least one fetch, never more than the images sent.
+            n, images = r.get("filter_image_fetches"), len(header["images"])
+            if not isinstance(n, int) or not 1 <= n <= images:
+                problems.append(f"{tag}: the filter fetched {n!r} times for {images} URL images")
         c = r.get("sim_check")
         if c and c["mismatched"] > 0.1 * c["requests"]:
             problems.append(f"{tag}: simulated cached tokens differ on {c['mismatched']}/{c['requests']}")

@@ -15,8 +15,9 @@ then one line per request (a turn of a session), sessions in order:
      "text": "...", "max_tokens": 32}
 
 Every turn re-sends the whole conversation: the session's system prompt, every earlier user
-message with its images (inline data URLs) and every earlier answer as the worker streamed it
-(the mock's answer depends only on the prompt). Turn k > 0 is sent `think` seconds after turn
+message with its images (inline data URLs; http URLs on the replay's image server in families
+with `image_source="url"`) and every earlier answer as the worker streamed it (the mock's answer
+depends only on the prompt). Turn k > 0 is sent `think` seconds after turn
 k-1's answer ended. Arrival modes:
 
 - `closed`: `users` concurrent users; each takes the next session in trace order, sends its
@@ -133,6 +134,12 @@ HELD_OUT = {
     # tokens): text alone fits 1024 blocks, where every router reached the bound.
     "text-only": dict(SESSIONS, image_pool=None, images_weights=[1.0], user_words=[20, 120],
                       gpu_blocks=128),
+    # Written in the 208th run: images by http URL, not inline (`image_source`: the replay
+    # serves the pool over loopback HTTP; mmrouter fetches each once through Envoy, SGLang
+    # matches the URL text, the workers fetch as vLLM does). Closed loop, 8 users; 90 sessions
+    # of 1-4 turns, 0-3 images a turn from 50 more skewed ones; 2048 blocks.
+    "url-images": dict(SESSIONS, image_source="url", sessions=90, image_pool=50, image_zipf=1.2,
+                       images_weights=[0.2, 0.5, 0.2, 0.1], gpu_blocks=2048),
 }
 
 
@@ -480,6 +487,10 @@ class ImagePool:
             url = f"data:{MIME[spec['fmt']]};base64," + base64.b64encode(self.bytes(image_id)).decode()
             self._urls[image_id] = url
         return url
+
+    def http_url(self, image_id, base):
+        """The image's URL on the replay's image server at `base` (it serves `self.dir`)."""
+        return f"{base}/{self.path(self.specs[image_id]).name}"
 
     def warm(self):
         for i in self.specs:
