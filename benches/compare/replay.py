@@ -86,6 +86,7 @@ class Fleet:
         self.tools = tools
         self.events = {}  # name -> (events endpoint, replay endpoint), precise mode
         self.fetch_allow = fetch_allow  # "ip:port" of the image server, for URL images
+        self.admin_port = None  # Envoy's, once started
         precise = system.startswith("mmrouter") and system != "mmrouter-approx"
         try:
             for i, args in enumerate(worker_args):
@@ -210,7 +211,7 @@ class Fleet:
         """Images Envoy fetched for the filter: 2xx answers on its mmrouter_fetch* clusters,
         from Envoy's admin stats (cluster.NAME.upstream_rq_2xx, not its internal/external
         split); None without Envoy."""
-        if getattr(self, "admin_port", None) is None:
+        if self.admin_port is None:
             return None
         _, text = http_get(f"http://127.0.0.1:{self.admin_port}/stats?filter=^cluster%5C.mmrouter_fetch",
                            timeout=5)

@@ -52,7 +52,8 @@ pub struct FetchConfig {
     /// Bytes read of one image at most (default 20 MiB). A larger image is not identified by
     /// its bytes: it falls back to its URL identity (reason `too_large`).
     pub max_bytes: u32,
-    /// Images fetched per request at most (default 8); the others fall back.
+    /// Images fetched (GETs) per request at most (default 8); the others fall back. Images
+    /// the shared cache already holds do not count.
     pub max_images: usize,
     /// Timeout of one GET, ms (default 2000).
     pub timeout_ms: u64,
