@@ -108,7 +108,12 @@
 //!   with bounded loads; `home_load_slack` 1 by default, so with 2 workers a group is held at
 //!   any load), or `home_load_floor` (default 2) where that is more: at low load the bound is
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
-//!   joining the first. With `home_load_by_groups`, where the homes table counts more groups
+//!   joining the first. Where the fleet's mean requests in flight per candidate, this one
+//!   included, is at least `load_bounds_lift_at` (set), this bound and the conversations'
+//!   below do not bind (each is every request in flight): every worker then has a
+//!   queue on the mean, and a request sent off its home or its conversation's worker adds a
+//!   prefill to the fleet's work and its group to another worker's cache. With
+//!   `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
 //!   the groups per worker: every worker is then some group's home, and a request the bound
 //!   sends away recomputes on another group's home (off by default: docs/ROUTING.md). With
@@ -227,6 +232,13 @@ pub struct ScoringConfig {
     /// most `ceil((1 + home_load_slack) × mean)` (default 1: a home may carry twice the
     /// mean; with 2 workers that never stops a hold).
     pub home_load_slack: f64,
+    /// Where the fleet's mean requests in flight per candidate, this request included, is at
+    /// least this, the homes' and the conversations' load bounds do not bind (each is every
+    /// request in flight): every worker then has a queue, the prefill a request saves is work
+    /// taken off the fleet, and a group or conversation spread over more workers interleaves
+    /// with more of them in each cache. Below it the bounds trade hit rate for a shorter
+    /// queue, where a worker is idle. Default 0: the bounds always apply.
+    pub load_bounds_lift_at: f64,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -357,6 +369,7 @@ impl Default for ScoringConfig {
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,
+            load_bounds_lift_at: 0.0,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -401,6 +414,7 @@ impl ScoringConfig {
             ("temperature", self.temperature),
             ("recompute_weight", self.recompute_weight),
             ("home_load_slack", self.home_load_slack),
+            ("load_bounds_lift_at", self.load_bounds_lift_at),
             ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
             ("home_rebalance_above", self.home_rebalance_above),
@@ -609,7 +623,8 @@ fn fit_limit(bound: f64, config: &ScoringConfig) -> f64 {
 
 /// The requests candidate `c` would carry with this one, and the load bound of consistent
 /// hashing with bounded loads: `ceil((1 + home_load_slack) × mean)` requests in flight per
-/// candidate, this one included, or `home_load_floor` where that is more.
+/// candidate, this one included, or `home_load_floor` where that is more; every request in
+/// flight where the mean is at least `load_bounds_lift_at` (set).
 fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> (f64, f64) {
     let total: f64 = candidates
         .iter()
@@ -617,6 +632,9 @@ fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -
         .sum::<f64>()
         + 1.0;
     let mean = total / candidates.len().max(1) as f64;
+    if config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at {
+        return (f64::from(c.inflight) + 1.0, total);
+    }
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));

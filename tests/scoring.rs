@@ -60,6 +60,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert!(c.recompute_grows_with_load);
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);
+    assert_eq!(c.load_bounds_lift_at, 0.0);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
@@ -155,6 +156,62 @@ fn a_request_goes_home_only_where_its_chosen_worker_would_recompute_the_preamble
     let c = chosen(&ws);
     assert_eq!(c.index, 1);
     assert!(!goes_home(&c, &ws, 1, preamble, &slack(1.0)));
+}
+
+#[test]
+fn where_every_worker_carries_the_lift_load_the_load_bounds_do_not_bind() {
+    // 4 workers, 15 in flight, 16 with this request: the mean is 4. The home (worker 1) would
+    // carry 10, past its bound of ceil(2 × 4) = 8.
+    let preamble = 10;
+    let ws = [
+        worker(0, 0.0),
+        Candidate {
+            inflight: 9,
+            ..worker(preamble, 1.0)
+        },
+        Candidate {
+            inflight: 3,
+            ..worker(0, 0.3)
+        },
+        Candidate {
+            inflight: 3,
+            ..worker(0, 0.3)
+        },
+    ];
+    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
+    assert_ne!(c.index, 1, "the cost alone leaves the busy home");
+    assert!(!goes_home(&c, &ws, 1, preamble, &config()), "10 > 8");
+    let lift = |at: f64| ScoringConfig {
+        load_bounds_lift_at: at,
+        ..config()
+    };
+    assert!(goes_home(&c, &ws, 1, preamble, &lift(4.0)), "mean 4 >= 4");
+    assert!(goes_home(&c, &ws, 1, preamble, &lift(3.0)));
+    assert!(!goes_home(&c, &ws, 1, preamble, &lift(4.5)), "mean 4 < 4.5");
+    // The conversation hold's limit is then every request in flight times the hold: 16 × 2.
+    assert_eq!(conversation_load(&ws, 1, &lift(4.0)), (10.0, 32.0));
+    assert_eq!(conversation_load(&ws, 1, &config()), (10.0, 16.0));
+    // And the hold off stays off.
+    let off = ScoringConfig {
+        conversation_hold: 0.0,
+        ..lift(4.0)
+    };
+    assert_eq!(conversation_load(&ws, 1, &off).1, 0.0);
+    // Below the lift load (8 workers, the same 15 in flight: mean 2) the bound, ceil(2 × 2) =
+    // 4, binds as before.
+    let mut wide = ws.to_vec();
+    wide.resize(8, worker(0, 0.0));
+    let c = choose(request(40), &wide, &config(), 0).expect("a choice");
+    assert!(!goes_home(&c, &wide, 1, preamble, &lift(3.0)), "mean 2 < 3");
+    assert!(goes_home(&c, &wide, 1, preamble, &lift(2.0)), "mean 2 >= 2");
+    assert!(
+        ScoringConfig {
+            load_bounds_lift_at: -1.0,
+            ..config()
+        }
+        .validate()
+        .is_err()
+    );
 }
 
 #[test]
