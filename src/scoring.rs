@@ -110,9 +110,9 @@
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
 //!   joining the first. Where the fleet's mean requests in flight per candidate, this one
 //!   included, is at least `load_bounds_lift_at` (set), this bound and the conversations'
-//!   below do not bind (each is every request in flight): every worker then has a
-//!   queue on the mean, and a request sent off its home or its conversation's worker adds a
-//!   prefill to the fleet's work and its group to another worker's cache. With
+//!   below do not bind (each is every request in flight; off by default): every worker is
+//!   then busy on the mean, and a request sent off its home or its conversation's worker adds
+//!   a prefill to the fleet's work and its group to another worker's cache. With
 //!   `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
 //!   the groups per worker: every worker is then some group's home, and a request the bound
@@ -234,10 +234,11 @@ pub struct ScoringConfig {
     pub home_load_slack: f64,
     /// Where the fleet's mean requests in flight per candidate, this request included, is at
     /// least this, the homes' and the conversations' load bounds do not bind (each is every
-    /// request in flight): every worker then has a queue, the prefill a request saves is work
-    /// taken off the fleet, and a group or conversation spread over more workers interleaves
-    /// with more of them in each cache. Below it the bounds trade hit rate for a shorter
-    /// queue, where a worker is idle. Default 0: the bounds always apply.
+    /// request in flight): every worker is then busy on the mean, the prefill a request saves
+    /// is work taken off the fleet, and a group or conversation spread over more workers
+    /// interleaves with more of them in each cache. Below it the bounds trade hit rate for a
+    /// shorter queue, where a worker is idle. Default 0: the bounds always apply (at 2 it
+    /// lost where a popular group or a slow worker is what the bounds spread: docs/ROUTING.md).
     pub load_bounds_lift_at: f64,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
