@@ -633,13 +633,14 @@ fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -
         .sum::<f64>()
         + 1.0;
     let mean = total / candidates.len().max(1) as f64;
+    let carries = f64::from(c.inflight) + 1.0;
     if config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at {
-        return (f64::from(c.inflight) + 1.0, total);
+        return (carries, total);
     }
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));
-    (f64::from(c.inflight) + 1.0, bound)
+    (carries, bound)
 }
 
 /// With `scoring.home_spares_homes`: the requests a home would carry with this one, and
