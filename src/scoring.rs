@@ -240,12 +240,6 @@ pub struct ScoringConfig {
     /// shorter queue, where a worker is idle. Default 0: the bounds always apply (at 2 it
     /// lost where a popular group or a slow worker is what the bounds spread: docs/ROUTING.md).
     pub load_bounds_lift_at: f64,
-    /// Where `load_bounds_lift_at` lifts the bounds and a hold would carry a worker past the
-    /// bound it has without the lift, the hold stands only while that worker's extra wait
-    /// (over the chosen worker's) is at most this many times the weighted prefill the hold
-    /// saves (the preamble for a home, what the chosen worker lacks of the conversation for
-    /// a conversation; [`allowed_wait`]) (default 0: no limit in time).
-    pub load_bounds_lift_allowance: f64,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -377,7 +371,6 @@ impl Default for ScoringConfig {
             home_hold: true,
             home_load_slack: 1.0,
             load_bounds_lift_at: 0.0,
-            load_bounds_lift_allowance: 0.0,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -423,10 +416,6 @@ impl ScoringConfig {
             ("recompute_weight", self.recompute_weight),
             ("home_load_slack", self.home_load_slack),
             ("load_bounds_lift_at", self.load_bounds_lift_at),
-            (
-                "load_bounds_lift_allowance",
-                self.load_bounds_lift_allowance,
-            ),
             ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
             ("home_rebalance_above", self.home_rebalance_above),
@@ -619,18 +608,7 @@ pub fn home_load(
     home: &Candidate,
     config: &ScoringConfig,
 ) -> (f64, f64) {
-    home_load_with(choice, candidates, home, config, true)
-}
-
-/// [`home_load`], the lift (`load_bounds_lift_at`) counted where `lift`.
-fn home_load_with(
-    choice: &Choice,
-    candidates: &[Candidate],
-    home: &Candidate,
-    config: &ScoringConfig,
-    lift: bool,
-) -> (f64, f64) {
-    let (carries, bound) = load_bound(candidates, home, config, lift);
+    let (carries, bound) = load_bound(candidates, home, config);
     if carries <= bound || !home_holds_its_footprint(choice, home, config) {
         return (carries, bound);
     }
@@ -647,39 +625,22 @@ fn fit_limit(bound: f64, config: &ScoringConfig) -> f64 {
 /// The requests candidate `c` would carry with this one, and the load bound of consistent
 /// hashing with bounded loads: `ceil((1 + home_load_slack) × mean)` requests in flight per
 /// candidate, this one included, or `home_load_floor` where that is more; every request in
-/// flight where `lift` and the mean is at least `load_bounds_lift_at` (set).
-fn load_bound(
-    candidates: &[Candidate],
-    c: &Candidate,
-    config: &ScoringConfig,
-    lift: bool,
-) -> (f64, f64) {
-    let total = total_inflight(candidates);
+/// flight where the mean is at least `load_bounds_lift_at` (set).
+fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> (f64, f64) {
+    let total: f64 = candidates
+        .iter()
+        .map(|c| f64::from(c.inflight))
+        .sum::<f64>()
+        + 1.0;
+    let mean = total / candidates.len().max(1) as f64;
     let carries = f64::from(c.inflight) + 1.0;
-    if lift && lift_acts(candidates, config) {
+    if config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at {
         return (carries, total);
     }
-    let mean = total / candidates.len().max(1) as f64;
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));
     (carries, bound)
-}
-
-/// The requests in flight on the candidates, this one included.
-fn total_inflight(candidates: &[Candidate]) -> f64 {
-    candidates
-        .iter()
-        .map(|c| f64::from(c.inflight))
-        .sum::<f64>()
-        + 1.0
-}
-
-/// Whether `load_bounds_lift_at` (set) lifts the load bounds: the mean requests in flight
-/// per candidate, this one included, is at least the value.
-fn lift_acts(candidates: &[Candidate], config: &ScoringConfig) -> bool {
-    let mean = total_inflight(candidates) / candidates.len().max(1) as f64;
-    config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at
 }
 
 /// With `scoring.home_spares_homes`: the requests a home would carry with this one, and
@@ -690,7 +651,7 @@ pub fn home_spare_load(
     home: &Candidate,
     config: &ScoringConfig,
 ) -> (f64, f64) {
-    let (carries, bound) = load_bound(candidates, home, config, true);
+    let (carries, bound) = load_bound(candidates, home, config);
     (carries, fit_limit(bound, config))
 }
 
@@ -716,59 +677,11 @@ pub fn conversation_load(
     at: usize,
     config: &ScoringConfig,
 ) -> (f64, f64) {
-    conversation_load_with(candidates, at, config, true)
-}
-
-/// [`conversation_load`], the lift (`load_bounds_lift_at`) counted where `lift`.
-fn conversation_load_with(
-    candidates: &[Candidate],
-    at: usize,
-    config: &ScoringConfig,
-    lift: bool,
-) -> (f64, f64) {
     let Some(c) = candidates.get(at) else {
         return (f64::INFINITY, 0.0);
     };
-    let (carries, bound) = load_bound(candidates, c, config, lift);
+    let (carries, bound) = load_bound(candidates, c, config);
     (carries, (bound * config.conversation_hold.max(0.0)).floor())
-}
-
-/// A hold the load bounds' lift keeps: on a group's home, or on the worker that holds a
-/// conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hold {
-    Home,
-    Conversation,
-}
-
-/// With `load_bounds_lift_allowance` set, where the hold on candidate `at` (which saves the
-/// request the prefill of `blocks`) carries it past the bound it has without the lift: its
-/// extra wait and the wait allowed, where the wait is longer. None where the hold stands.
-pub fn wait_past_the_lift(
-    choice: &Choice,
-    candidates: &[Candidate],
-    at: usize,
-    blocks: usize,
-    hold: Hold,
-    config: &ScoringConfig,
-) -> Option<WaitPast> {
-    let allowance = config.load_bounds_lift_allowance;
-    if allowance <= 0.0 || !lift_acts(candidates, config) {
-        return None;
-    }
-    let (carries, limit) = match hold {
-        Hold::Home => home_load_with(choice, candidates, candidates.get(at)?, config, false),
-        Hold::Conversation => conversation_load_with(candidates, at, config, false),
-    };
-    if carries <= limit {
-        return None;
-    }
-    let (extra_s, allowed_s) = allowed_wait(choice, candidates, at, blocks, allowance, config)?;
-    (extra_s > allowed_s).then_some(WaitPast {
-        extra_s,
-        allowed_s,
-        small: false,
-    })
 }
 
 /// Whether a home's cache still holds what it took recently: its footprint plus the

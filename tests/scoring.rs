@@ -2,8 +2,8 @@
 
 use mmrouter::config::RouterConfig;
 use mmrouter::scoring::{
-    Candidate, Hold, RequestSize, ScoringConfig, choose, conversation_load, goes_home,
-    home_wait_pays_for_preamble, wait_past_the_lift,
+    Candidate, RequestSize, ScoringConfig, choose, conversation_load, goes_home,
+    home_wait_pays_for_preamble,
 };
 
 const SPEED: f64 = 8000.0;
@@ -61,7 +61,6 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);
     assert_eq!(c.load_bounds_lift_at, 0.0);
-    assert_eq!(c.load_bounds_lift_allowance, 0.0);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
@@ -208,104 +207,6 @@ fn where_every_worker_carries_the_lift_load_the_load_bounds_do_not_bind() {
     assert!(
         ScoringConfig {
             load_bounds_lift_at: -1.0,
-            ..config()
-        }
-        .validate()
-        .is_err()
-    );
-}
-
-#[test]
-fn a_lifted_bound_holds_past_the_bound_only_while_the_wait_pays_for_what_it_saves() {
-    // The lift's case above: 4 workers, mean 4 with this request; the home (worker 1) would
-    // carry 10, past its unlifted bound of 8, and has 1 s of prefill queued.
-    let preamble = 10;
-    let busy = |inflight: u32, matched: usize, queued_s: f64| Candidate {
-        inflight,
-        ..worker(matched, queued_s)
-    };
-    let ws = [
-        worker(0, 0.0),
-        busy(9, preamble, 1.0),
-        busy(3, 0, 0.3),
-        busy(3, 0, 0.3),
-    ];
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    assert_eq!(c.index, 0, "the idle worker");
-    let capped = |allowance: f64| ScoringConfig {
-        load_bounds_lift_at: 4.0,
-        load_bounds_lift_allowance: allowance,
-        ..config()
-    };
-    // The preamble's prefill, weighed as a recompute with 15 in flight on 4 workers: once,
-    // and 1 × (1 + 15 / 4) more.
-    let weighted_s = (preamble * 16) as f64 / SPEED * (2.0 + 15.0 / 4.0);
-    let past = wait_past_the_lift(&c, &ws, 1, preamble, Hold::Home, &capped(4.0))
-        .expect("1 s of extra wait is past 4 × the weighted preamble");
-    assert!((past.extra_s - 1.0).abs() < 1e-9, "{past:?}");
-    assert!((past.allowed_s - 4.0 * weighted_s).abs() < 1e-9, "{past:?}");
-    assert!(!past.small);
-    // A larger allowance holds; no allowance holds without a limit in time (as before).
-    assert_eq!(
-        wait_past_the_lift(&c, &ws, 1, preamble, Hold::Home, &capped(20.0)),
-        None
-    );
-    assert_eq!(
-        wait_past_the_lift(&c, &ws, 1, preamble, Hold::Home, &capped(0.0)),
-        None
-    );
-    // Within the unlifted bound the cap does not apply, however long the wait: with 7 in
-    // flight the home would carry 8, its bound.
-    let mut within = ws;
-    within[1].inflight = 7;
-    within[2].inflight = 4;
-    within[3].inflight = 4;
-    let c = choose(request(40), &within, &config(), 0).expect("a choice");
-    assert_eq!(
-        wait_past_the_lift(&c, &within, 1, preamble, Hold::Home, &capped(4.0)),
-        None
-    );
-    // Nor where the lift does not act (mean 4 below 5).
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    let below = ScoringConfig {
-        load_bounds_lift_at: 5.0,
-        ..capped(4.0)
-    };
-    assert_eq!(
-        wait_past_the_lift(&c, &ws, 1, preamble, Hold::Home, &below),
-        None
-    );
-    // A conversation's worker, with 8 workers (with 4 its limit, twice the home's bound, is
-    // every request in flight): 17 in flight with this one, mean 2.125, past its unlifted
-    // limit of 2 × ceil(2 × 2.125) = 10; lifted at 2, the limit is 2 × 17. Its 2 s of extra
-    // wait is weighed against what the chosen worker lacks of the conversation (30 blocks).
-    let mut wide = vec![worker(0, 0.0); 8];
-    wide[1] = busy(16, 30, 2.0);
-    let c = choose(request(40), &wide, &config(), 0).expect("a choice");
-    assert_ne!(c.index, 1);
-    let lifted = ScoringConfig {
-        load_bounds_lift_at: 2.0,
-        ..capped(4.0)
-    };
-    assert_eq!(conversation_load(&wide, 1, &config()), (17.0, 10.0));
-    assert_eq!(conversation_load(&wide, 1, &lifted), (17.0, 34.0));
-    let past = wait_past_the_lift(&c, &wide, 1, 30, Hold::Conversation, &lifted)
-        .expect("2 s past 4 × the weighted prefill of 30 blocks");
-    let allowed = 4.0 * (30 * 16) as f64 / SPEED * (2.0 + 16.0 / 8.0);
-    assert!((past.extra_s - 2.0).abs() < 1e-9, "{past:?}");
-    assert!((past.allowed_s - allowed).abs() < 1e-9, "{past:?}");
-    let generous = ScoringConfig {
-        load_bounds_lift_allowance: 10.0,
-        ..lifted
-    };
-    assert_eq!(
-        wait_past_the_lift(&c, &wide, 1, 30, Hold::Conversation, &generous),
-        None,
-        "2 s is within 10 × {allowed} / 4 s"
-    );
-    assert!(
-        ScoringConfig {
-            load_bounds_lift_allowance: -1.0,
             ..config()
         }
         .validate()

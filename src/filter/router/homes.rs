@@ -5,9 +5,8 @@
 use super::Router;
 use super::decision::{HomeHold, LetGo, PastBound};
 use crate::scoring::{
-    Candidate, Choice, Hold, ScoringConfig, allowed_wait, goes_home, home_holds_its_footprint,
-    home_load, home_saves_preamble, home_spare_load, home_wait_pays_for_preamble,
-    wait_past_a_copy_that_fits, wait_past_the_lift,
+    Candidate, Choice, ScoringConfig, allowed_wait, goes_home, home_holds_its_footprint, home_load,
+    home_saves_preamble, home_spare_load, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
@@ -159,13 +158,6 @@ impl Router {
                     wait,
                 });
             }
-        }
-        // `load_bounds_lift_allowance`: a home the lift keeps past its bound is held while
-        // its wait pays for the preamble.
-        if let Some(past) =
-            wait_past_the_lift(choice, candidates, index, preamble, Hold::Home, scoring)
-        {
-            return HomeOutcome::LetGo(slot, LetGo::Wait(past));
         }
         // Where the chosen worker's cache holds a copy of the preamble, the copy costs its
         // prefill once; a long queue at home costs the request its wait.

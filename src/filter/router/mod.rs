@@ -20,8 +20,8 @@ pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Choice, Estimate, Hold, RequestSize, choose, conversation_load, pick_below,
-    queued_blocks, splitmix64, wait_past_a_copy_that_fits, wait_past_the_lift,
+    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
+    splitmix64, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -408,13 +408,6 @@ impl Router {
         let lacks = candidates
             .get(choice.index)
             .map_or(continued, |c| continued.saturating_sub(c.matched_blocks));
-        // `load_bounds_lift_allowance`: a worker the lift keeps past its bound is held while
-        // its wait pays for what the chosen worker lacks of the conversation.
-        if let Some(past) =
-            wait_past_the_lift(choice, candidates, at, lacks, Hold::Conversation, scoring)
-        {
-            return Some(Conversation::LetGoWait { name, past });
-        }
         if scoring.conversation_wait_where_copy_fits
             && let Some(past) =
                 wait_past_a_copy_that_fits(choice, candidates, at, lacks, 1.0, scoring)
