@@ -240,6 +240,11 @@ pub struct ScoringConfig {
     /// shorter queue, where a worker is idle. Default 0: the bounds always apply (at 2 it
     /// lost where a popular group or a slow worker is what the bounds spread: docs/ROUTING.md).
     pub load_bounds_lift_at: f64,
+    /// Where `load_bounds_lift_at` lifts the bounds, a group with more than this many
+    /// workers' shares of the recent traffic (counted as for `home_max_shares`) keeps its
+    /// home's load bound: one worker cannot carry it without queueing past the mean, and only
+    /// the bound spreads it (default 0: every group's bound is lifted).
+    pub load_bounds_lift_max_shares: f64,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -371,6 +376,7 @@ impl Default for ScoringConfig {
             home_hold: true,
             home_load_slack: 1.0,
             load_bounds_lift_at: 0.0,
+            load_bounds_lift_max_shares: 0.0,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -416,6 +422,10 @@ impl ScoringConfig {
             ("recompute_weight", self.recompute_weight),
             ("home_load_slack", self.home_load_slack),
             ("load_bounds_lift_at", self.load_bounds_lift_at),
+            (
+                "load_bounds_lift_max_shares",
+                self.load_bounds_lift_max_shares,
+            ),
             ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
             ("home_rebalance_above", self.home_rebalance_above),

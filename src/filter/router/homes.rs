@@ -123,6 +123,30 @@ impl Router {
         }) else {
             return HomeOutcome::Nothing;
         };
+        // The group's recent rate, every group's, and its shares of the traffic, counted over
+        // at least `home_share_min_requests` per worker (at start-up the first group seen is
+        // all of the traffic): one pass over the table.
+        let rates = || {
+            let (own, total) = table.rates(group, now_ms, half_life);
+            (own, total, share_of(own, total.max(seen)) * n)
+        };
+        // `load_bounds_lift_max_shares`: a group of more shares keeps its home's load bound
+        // where the lift would lift it: one worker cannot carry it without queueing past the
+        // mean, and only the bound spreads it.
+        let early = (scoring.load_bounds_lift_at > 0.0
+            && scoring.load_bounds_lift_max_shares > 0.0)
+            .then(rates);
+        let unlifted;
+        let scoring = match early {
+            Some((_, _, shares)) if shares > scoring.load_bounds_lift_max_shares => {
+                unlifted = ScoringConfig {
+                    load_bounds_lift_at: 0.0,
+                    ..scoring.clone()
+                };
+                &unlifted
+            }
+            _ => scoring,
+        };
         let mut past_bound = None;
         if !goes_home(choice, candidates, index, preamble, scoring) {
             if !home_saves_preamble(choice, candidates, index, preamble) {
@@ -190,8 +214,7 @@ impl Router {
         // there is no share limit while the home's cache holds its footprint and its wait
         // costs less than the preamble's weighted recompute (docs/ROUTING.md). Checked last:
         // it decays every group's rate, and most requests stop at `goes_home`.
-        let (own, total) = table.rates(group, now_ms, half_life);
-        let shares = share_of(own, total.max(seen)) * n;
+        let (own, total, shares) = early.unwrap_or_else(rates);
         if shares > scoring.home_max_shares {
             let fits = home_holds_its_footprint(choice, at_home, scoring);
             let within = fits && share_of(own, total) <= scoring.home_fit_max_traffic;

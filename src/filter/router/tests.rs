@@ -891,6 +891,35 @@ fn with_home_load_by_groups_a_home_among_more_groups_than_workers_carries_more()
 }
 
 #[test]
+fn with_the_bounds_lifted_a_group_past_the_lifts_shares_keeps_its_load_bound() {
+    // Two workers, the bound ceil(1.25 × mean) (`bounded_home`); another application's 8
+    // finished requests first. Without the lift the third request leaves home (above); lifted
+    // at any load (`load_bounds_lift_at` 0.5), all 8 stay. With `load_bounds_lift_max_shares`
+    // 0.7 this group's shares at its k-th request are 2k / (8 + k): 0.67 at the fourth, 0.77
+    // at the fifth, which keeps its bound and leaves (5 in flight, ceil(1.25 × 5 / 2) = 4).
+    let roomy = config(2).state.capacity_blocks;
+    let lifted = |max_shares: f64| {
+        let mut config = bounded_home(1.0, roomy);
+        config.router.scoring.load_bounds_lift_at = 0.5;
+        config.router.scoring.load_bounds_lift_max_shares = max_shares;
+        config
+    };
+    let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
+    let (fixed, _, _) = fill_home_after(bounded_home(1.0, roomy), 1);
+    let (every, _, _) = fill_home_after(lifted(0.0), 1);
+    let (limited, held, lines) = fill_home_after(lifted(0.7), 1);
+    assert_eq!(first_away(&fixed), Some(2), "{fixed:?}");
+    assert_eq!(first_away(&every), None, "{every:?}");
+    assert!(held, "{limited:?}");
+    assert_eq!(first_away(&limited), Some(4), "{limited:?}");
+    assert!(
+        lines[4].contains("5 in flight there past its bound of 4"),
+        "{}",
+        lines[4]
+    );
+}
+
+#[test]
 fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_another_home() {
     // Caches of about one request (no home's footprint fits: no fit factor). Another
     // application's 8 requests (a second apart, each finished) make one worker its home;
