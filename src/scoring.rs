@@ -245,11 +245,6 @@ pub struct ScoringConfig {
     /// home's load bound: one worker cannot carry it without queueing past the mean, and only
     /// the bound spreads it (default 0: every group's bound is lifted).
     pub load_bounds_lift_max_shares: f64,
-    /// Where `load_bounds_lift_at` lifts the bounds, a home or a conversation's worker whose
-    /// cache does not hold what it took recently (its footprint plus the request's new blocks
-    /// there, as [`home_holds_its_footprint`]) keeps its bound: more requests there turn its
-    /// cache over, and the blocks the hold would reuse are the ones evicted (default false).
-    pub load_bounds_lift_needs_fit: bool,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -382,7 +377,6 @@ impl Default for ScoringConfig {
             home_load_slack: 1.0,
             load_bounds_lift_at: 0.0,
             load_bounds_lift_max_shares: 0.0,
-            load_bounds_lift_needs_fit: false,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -412,23 +406,6 @@ impl ScoringConfig {
     /// and never binds, so that the wait is the only bound on a home.
     pub fn home_wait_applies(&self, candidates: usize) -> bool {
         self.home_wait_where_copy_fits.unwrap_or(candidates <= 2)
-    }
-
-    /// This configuration with `load_bounds_lift_at` off: where a hold keeps its load bound
-    /// under the lift (`load_bounds_lift_max_shares`, `load_bounds_lift_needs_fit`).
-    pub fn without_lift(&self) -> ScoringConfig {
-        ScoringConfig {
-            load_bounds_lift_at: 0.0,
-            ..self.clone()
-        }
-    }
-
-    /// Whether `load_bounds_lift_needs_fit` keeps the load bound of `held` (a home or a
-    /// conversation's worker) for this request: its cache does not hold its footprint.
-    pub fn lift_needs_fit(&self, choice: &Choice, held: &Candidate) -> bool {
-        self.load_bounds_lift_at > 0.0
-            && self.load_bounds_lift_needs_fit
-            && !home_holds_its_footprint(choice, held, self)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {

@@ -62,7 +62,6 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_load_slack, 1.0);
     assert_eq!(c.load_bounds_lift_at, 0.0);
     assert_eq!(c.load_bounds_lift_max_shares, 0.0);
-    assert!(!c.load_bounds_lift_needs_fit);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);

@@ -136,16 +136,16 @@ impl Router {
         let early = (scoring.load_bounds_lift_at > 0.0
             && scoring.load_bounds_lift_max_shares > 0.0)
             .then(rates);
-        // `load_bounds_lift_needs_fit`: a home whose cache turns over keeps its bound too.
-        let keeps_bound = matches!(early, Some((_, _, shares))
-            if shares > scoring.load_bounds_lift_max_shares)
-            || scoring.lift_needs_fit(choice, at_home);
         let unlifted;
-        let scoring = if keeps_bound {
-            unlifted = scoring.without_lift();
-            &unlifted
-        } else {
-            scoring
+        let scoring = match early {
+            Some((_, _, shares)) if shares > scoring.load_bounds_lift_max_shares => {
+                unlifted = ScoringConfig {
+                    load_bounds_lift_at: 0.0,
+                    ..scoring.clone()
+                };
+                &unlifted
+            }
+            _ => scoring,
         };
         let mut past_bound = None;
         if !goes_home(choice, candidates, index, preamble, scoring) {

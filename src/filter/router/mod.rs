@@ -394,18 +394,7 @@ impl Router {
         let at = at.filter(|&at| at != choice.index)?;
         let name = self.target(*eligible.get(at)?)?.name;
         let scoring = &self.config.router.scoring;
-        // `load_bounds_lift_needs_fit`: a worker whose cache turns over keeps its bound.
-        let unlifted;
-        let bounds = if candidates
-            .get(at)
-            .is_some_and(|c| scoring.lift_needs_fit(choice, c))
-        {
-            unlifted = scoring.without_lift();
-            &unlifted
-        } else {
-            scoring
-        };
-        let (carries, limit) = conversation_load(candidates, at, bounds);
+        let (carries, limit) = conversation_load(candidates, at, scoring);
         if carries > limit {
             return Some(Conversation::LetGo {
                 name,

@@ -920,38 +920,6 @@ fn with_the_bounds_lifted_a_group_past_the_lifts_shares_keeps_its_load_bound() {
 }
 
 #[test]
-fn with_the_bounds_lifted_a_home_whose_cache_turns_over_keeps_its_load_bound() {
-    // As above, lifted at any load: all 8 stay home. With `load_bounds_lift_needs_fit` they
-    // still do while the home's cache holds its footprint and the request's new blocks (a
-    // roomy cache), but in a cache of 3 of these requests the footprint outgrows it, and the
-    // home keeps its bound (ceil(1.25 × mean)): the request that would pass it leaves.
-    let roomy = config(2).state.capacity_blocks;
-    let blocks = {
-        let store = MemoryStore::default();
-        let mut r = start(&store, config(2));
-        let b = with_system(&"x".repeat(10), &png(600, 600), "Describe this image.");
-        route(&mut r, &store, &b, 0, 0).total_blocks as u32
-    };
-    let lifted = |needs_fit: bool, capacity: u32| {
-        let mut config = bounded_home(1.0, capacity);
-        config.router.scoring.load_bounds_lift_at = 0.5;
-        config.router.scoring.load_bounds_lift_needs_fit = needs_fit;
-        config
-    };
-    let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
-    let (roomy_fit, _, _) = fill_home_after(lifted(true, roomy), 1);
-    let (tight_lifted, _, _) = fill_home_after(lifted(false, 3 * blocks), 1);
-    let (tight_fit, held, lines) = fill_home_after(lifted(true, 3 * blocks), 1);
-    assert_eq!(first_away(&roomy_fit), None, "{roomy_fit:?}");
-    assert_eq!(first_away(&tight_lifted), None, "{tight_lifted:?}");
-    assert!(held, "{tight_fit:?}");
-    let away = first_away(&tight_fit);
-    assert!(matches!(away, Some(2..=4)), "{blocks} blocks each: {tight_fit:?}");
-    let line = away.and_then(|i| lines.get(i)).map_or("", String::as_str);
-    assert!(line.contains(" in flight there past its bound of "), "{line}");
-}
-
-#[test]
 fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_another_home() {
     // Caches of about one request (no home's footprint fits: no fit factor). Another
     // application's 8 requests (a second apart, each finished) make one worker its home;
