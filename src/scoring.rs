@@ -109,10 +109,13 @@
 //!   any load), or `home_load_floor` (default 2) where that is more: at low load the bound is
 //!   1, and a group's second request would copy its preamble to an idle worker instead of
 //!   joining the first. Where the fleet's mean requests in flight per candidate, this one
-//!   included, is at least `load_bounds_lift_at` (set), this bound and the conversations'
-//!   below do not bind (each is every request in flight; off by default): every worker is
+//!   included, is at least `load_bounds_lift_at` (default 2), this bound and the
+//!   conversations' below do not bind (each is every request in flight): every worker is
 //!   then busy on the mean, and a request sent off its home or its conversation's worker adds
-//!   a prefill to the fleet's work and its group to another worker's cache. With
+//!   a prefill to the fleet's work and its group to another worker's cache. A group of more
+//!   than `load_bounds_lift_max_shares` (default 1) workers' shares of the recent traffic
+//!   keeps its home's bound there: one worker cannot carry it, and only the bound spreads it.
+//!   With
 //!   `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
 //!   the groups per worker: every worker is then some group's home, and a request the bound
@@ -237,13 +240,14 @@ pub struct ScoringConfig {
     /// request in flight): every worker is then busy on the mean, the prefill a request saves
     /// is work taken off the fleet, and a group or conversation spread over more workers
     /// interleaves with more of them in each cache. Below it the bounds trade hit rate for a
-    /// shorter queue, where a worker is idle. Default 0: the bounds always apply (at 2 it
-    /// lost where a popular group or a slow worker is what the bounds spread: docs/ROUTING.md).
+    /// shorter queue, where a worker is idle. Default 2 (0: the bounds always apply; alone,
+    /// 2 lost where a popular group is what the bounds spread, hence
+    /// `load_bounds_lift_max_shares`: docs/ROUTING.md).
     pub load_bounds_lift_at: f64,
     /// Where `load_bounds_lift_at` lifts the bounds, a group with more than this many
     /// workers' shares of the recent traffic (counted as for `home_max_shares`) keeps its
     /// home's load bound: one worker cannot carry it without queueing past the mean, and only
-    /// the bound spreads it (default 0: every group's bound is lifted).
+    /// the bound spreads it (default 1; 0: every group's bound is lifted).
     pub load_bounds_lift_max_shares: f64,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
@@ -375,8 +379,8 @@ impl Default for ScoringConfig {
             recompute_grows_with_load: true,
             home_hold: true,
             home_load_slack: 1.0,
-            load_bounds_lift_at: 0.0,
-            load_bounds_lift_max_shares: 0.0,
+            load_bounds_lift_at: 2.0,
+            load_bounds_lift_max_shares: 1.0,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,

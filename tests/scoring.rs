@@ -15,12 +15,20 @@ fn config() -> ScoringConfig {
     }
 }
 
-/// The configuration with `home_load_slack` and no floor under the home's bound.
+/// The configuration with the load bounds binding at any load (`load_bounds_lift_at` 0).
+fn bounded() -> ScoringConfig {
+    ScoringConfig {
+        load_bounds_lift_at: 0.0,
+        ..config()
+    }
+}
+
+/// The bounded configuration with `home_load_slack` and no floor under the home's bound.
 fn slack(home_load_slack: f64) -> ScoringConfig {
     ScoringConfig {
         home_load_slack,
         home_load_floor: 0,
-        ..config()
+        ..bounded()
     }
 }
 
@@ -60,8 +68,8 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert!(c.recompute_grows_with_load);
     assert!(c.home_hold);
     assert_eq!(c.home_load_slack, 1.0);
-    assert_eq!(c.load_bounds_lift_at, 0.0);
-    assert_eq!(c.load_bounds_lift_max_shares, 0.0);
+    assert_eq!(c.load_bounds_lift_at, 2.0);
+    assert_eq!(c.load_bounds_lift_max_shares, 1.0);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
@@ -181,17 +189,18 @@ fn where_every_worker_carries_the_lift_load_the_load_bounds_do_not_bind() {
     ];
     let c = choose(request(40), &ws, &config(), 0).expect("a choice");
     assert_ne!(c.index, 1, "the cost alone leaves the busy home");
-    assert!(!goes_home(&c, &ws, 1, preamble, &config()), "10 > 8");
     let lift = |at: f64| ScoringConfig {
         load_bounds_lift_at: at,
         ..config()
     };
+    assert!(!goes_home(&c, &ws, 1, preamble, &lift(0.0)), "10 > 8");
+    assert!(goes_home(&c, &ws, 1, preamble, &config()), "lifted at 2 by default");
     assert!(goes_home(&c, &ws, 1, preamble, &lift(4.0)), "mean 4 >= 4");
     assert!(goes_home(&c, &ws, 1, preamble, &lift(3.0)));
     assert!(!goes_home(&c, &ws, 1, preamble, &lift(4.5)), "mean 4 < 4.5");
     // The conversation hold's limit is then every request in flight times the hold: 16 × 2.
     assert_eq!(conversation_load(&ws, 1, &lift(4.0)), (10.0, 32.0));
-    assert_eq!(conversation_load(&ws, 1, &config()), (10.0, 16.0));
+    assert_eq!(conversation_load(&ws, 1, &lift(0.0)), (10.0, 16.0));
     // And the hold off stays off.
     let off = ScoringConfig {
         conversation_hold: 0.0,
@@ -382,24 +391,24 @@ fn a_conversations_worker_may_carry_the_hold_times_the_load_bound() {
     // 8 workers, 3 in flight on the conversation's: 4 with this one; the mean is 4/8, the
     // bound the floor of 2, twice that is 4.
     let ws = loaded(&[3, 0, 0, 0, 0, 0, 0, 0]);
-    assert_eq!(conversation_load(&ws, 0, &config()), (4.0, 4.0));
+    assert_eq!(conversation_load(&ws, 0, &bounded()), (4.0, 4.0));
     let ws = loaded(&[4, 0, 0, 0, 0, 0, 0, 0]);
-    assert_eq!(conversation_load(&ws, 0, &config()), (5.0, 4.0));
+    assert_eq!(conversation_load(&ws, 0, &bounded()), (5.0, 4.0));
     // Busier elsewhere: 20 in flight, 21 with this one, mean 21/8 → bound ceil(5.25) = 6.
     let ws = loaded(&[4, 3, 3, 2, 2, 2, 2, 2]);
-    assert_eq!(conversation_load(&ws, 0, &config()), (5.0, 12.0));
+    assert_eq!(conversation_load(&ws, 0, &bounded()), (5.0, 12.0));
     // The hold's factor scales the limit; 0 turns it off; a missing candidate never holds.
     let one = ScoringConfig {
         conversation_hold: 1.0,
-        ..config()
+        ..bounded()
     };
     assert_eq!(conversation_load(&ws, 0, &one).1, 6.0);
     let off = ScoringConfig {
         conversation_hold: 0.0,
-        ..config()
+        ..bounded()
     };
     assert_eq!(conversation_load(&ws, 0, &off).1, 0.0);
-    let (carries, limit) = conversation_load(&ws, 8, &config());
+    let (carries, limit) = conversation_load(&ws, 8, &bounded());
     assert!(carries > limit);
 }
 

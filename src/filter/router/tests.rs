@@ -809,8 +809,10 @@ fn bounded_home(fit_load_factor: f64, capacity_blocks: u32) -> FilterConfig {
     config.router.scoring.home_share_min_requests = 0.0;
     config.router.scoring.home_fit_load_factor = fit_load_factor;
     config.state.capacity_blocks = capacity_blocks;
-    // The load bound alone (the wait rule, on by default with 2 workers, is tested on its own).
+    // The load bound alone (the wait rule, on by default with 2 workers, and the lift of the
+    // bounds where the fleet is busy, are tested on their own).
     config.router.scoring.home_wait_where_copy_fits = Some(false);
+    config.router.scoring.load_bounds_lift_at = 0.0;
     config
 }
 
