@@ -194,7 +194,10 @@ fn where_every_worker_carries_the_lift_load_the_load_bounds_do_not_bind() {
         ..config()
     };
     assert!(!goes_home(&c, &ws, 1, preamble, &lift(0.0)), "10 > 8");
-    assert!(goes_home(&c, &ws, 1, preamble, &config()), "lifted at 2 by default");
+    assert!(
+        goes_home(&c, &ws, 1, preamble, &config()),
+        "lifted at 2 by default"
+    );
     assert!(goes_home(&c, &ws, 1, preamble, &lift(4.0)), "mean 4 >= 4");
     assert!(goes_home(&c, &ws, 1, preamble, &lift(3.0)));
     assert!(!goes_home(&c, &ws, 1, preamble, &lift(4.5)), "mean 4 < 4.5");
