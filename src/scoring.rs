@@ -641,20 +641,37 @@ fn fit_limit(bound: f64, config: &ScoringConfig) -> f64 {
 /// candidate, this one included, or `home_load_floor` where that is more; every request in
 /// flight where the mean is at least `load_bounds_lift_at` (set).
 fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> (f64, f64) {
-    let total: f64 = candidates
-        .iter()
-        .map(|c| f64::from(c.inflight))
-        .sum::<f64>()
-        + 1.0;
-    let mean = total / candidates.len().max(1) as f64;
+    let (total, mean) = inflight_with_request(candidates);
     let carries = f64::from(c.inflight) + 1.0;
-    if config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at {
+    if lifted(mean, config) {
         return (carries, total);
     }
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
         .ceil()
         .max(f64::from(config.home_load_floor));
     (carries, bound)
+}
+
+/// The requests in flight over the candidates with this one, and their mean per candidate.
+fn inflight_with_request(candidates: &[Candidate]) -> (f64, f64) {
+    let total: f64 = candidates
+        .iter()
+        .map(|c| f64::from(c.inflight))
+        .sum::<f64>()
+        + 1.0;
+    (total, total / candidates.len().max(1) as f64)
+}
+
+/// Whether `load_bounds_lift_at` lifts the load bounds at this `mean` in flight per candidate.
+fn lifted(mean: f64, config: &ScoringConfig) -> bool {
+    config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at
+}
+
+/// Whether the load bounds are lifted for a request among `candidates`
+/// (`load_bounds_lift_at`): the fleet's mean in flight per candidate, this request
+/// included, is at least that.
+pub fn bounds_lifted(candidates: &[Candidate], config: &ScoringConfig) -> bool {
+    lifted(inflight_with_request(candidates).1, config)
 }
 
 /// With `scoring.home_spares_homes`: the requests a home would carry with this one, and

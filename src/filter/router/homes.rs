@@ -5,8 +5,9 @@
 use super::Router;
 use super::decision::{HomeHold, LetGo, PastBound};
 use crate::scoring::{
-    Candidate, Choice, ScoringConfig, allowed_wait, goes_home, home_holds_its_footprint, home_load,
-    home_saves_preamble, home_spare_load, home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
+    Candidate, Choice, ScoringConfig, allowed_wait, bounds_lifted, goes_home,
+    home_holds_its_footprint, home_load, home_saves_preamble, home_spare_load,
+    home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
@@ -133,9 +134,10 @@ impl Router {
         // `load_bounds_lift_max_shares`: a group of more shares keeps its home's load bound
         // where the lift would lift it: one worker cannot carry it without queueing past the
         // mean, and only the bound spreads it.
-        let early = (scoring.load_bounds_lift_at > 0.0
-            && scoring.load_bounds_lift_max_shares > 0.0)
-            .then(rates);
+        // Counted only where the bounds are lifted now: it decays every group's rate.
+        let early = (scoring.load_bounds_lift_max_shares > 0.0
+            && bounds_lifted(candidates, scoring))
+        .then(rates);
         let unlifted;
         let scoring = match early {
             Some((_, _, shares)) if shares > scoring.load_bounds_lift_max_shares => {
