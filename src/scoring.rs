@@ -639,7 +639,7 @@ fn fit_limit(bound: f64, config: &ScoringConfig) -> f64 {
 /// The requests candidate `c` would carry with this one, and the load bound of consistent
 /// hashing with bounded loads: `ceil((1 + home_load_slack) × mean)` requests in flight per
 /// candidate, this one included, or `home_load_floor` where that is more; every request in
-/// flight where the mean is at least `load_bounds_lift_at` (set).
+/// flight where the mean is at least `load_bounds_lift_at` (default 2; 0 never).
 fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> (f64, f64) {
     let (total, mean) = inflight_with_request(candidates);
     let carries = f64::from(c.inflight) + 1.0;
