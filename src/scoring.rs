@@ -249,17 +249,6 @@ pub struct ScoringConfig {
     /// home's load bound: one worker cannot carry it without queueing past the mean, and only
     /// the bound spreads it (default 1; 0: every group's bound is lifted).
     pub load_bounds_lift_max_shares: f64,
-    /// Where `load_bounds_lift_at` lifts the bounds, a worker whose queue clock (the prefill
-    /// queued there, in its own time) is more than this many times the candidates' mean keeps
-    /// its load bound: a slow worker, or one a burst piled onto, is where the lift's holds
-    /// wait longest (default 0: off).
-    pub load_bounds_lift_max_queue: f64,
-    /// Whether `load_bounds_lift_at` lifts the homes' load bound (default true); false lifts
-    /// only the conversations'.
-    pub load_bounds_lift_homes: bool,
-    /// Where `load_bounds_lift_at` lifts the bounds, a home keeps its load bound unless its
-    /// cache holds what it took recently ([`home_holds_its_footprint`]) (default false).
-    pub load_bounds_lift_homes_need_fit: bool,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -392,9 +381,6 @@ impl Default for ScoringConfig {
             home_load_slack: 1.0,
             load_bounds_lift_at: 2.0,
             load_bounds_lift_max_shares: 1.0,
-            load_bounds_lift_max_queue: 0.0,
-            load_bounds_lift_homes: true,
-            load_bounds_lift_homes_need_fit: false,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -443,10 +429,6 @@ impl ScoringConfig {
             (
                 "load_bounds_lift_max_shares",
                 self.load_bounds_lift_max_shares,
-            ),
-            (
-                "load_bounds_lift_max_queue",
-                self.load_bounds_lift_max_queue,
             ),
             ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
@@ -661,7 +643,7 @@ fn fit_limit(bound: f64, config: &ScoringConfig) -> f64 {
 fn load_bound(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> (f64, f64) {
     let (total, mean) = inflight_with_request(candidates);
     let carries = f64::from(c.inflight) + 1.0;
-    if lifted(mean, config) && !queue_past_lift(candidates, c, config) {
+    if lifted(mean, config) {
         return (carries, total);
     }
     let bound = ((1.0 + config.home_load_slack.max(0.0)) * mean)
@@ -683,17 +665,6 @@ fn inflight_with_request(candidates: &[Candidate]) -> (f64, f64) {
 /// Whether `load_bounds_lift_at` lifts the load bounds at this `mean` in flight per candidate.
 fn lifted(mean: f64, config: &ScoringConfig) -> bool {
     config.load_bounds_lift_at > 0.0 && mean >= config.load_bounds_lift_at
-}
-
-/// Whether candidate `c`'s queue clock is past `load_bounds_lift_max_queue` times the
-/// candidates' mean (off at 0): where the bounds are lifted, such a worker keeps its bound.
-fn queue_past_lift(candidates: &[Candidate], c: &Candidate, config: &ScoringConfig) -> bool {
-    if config.load_bounds_lift_max_queue <= 0.0 || candidates.is_empty() {
-        return false;
-    }
-    let mean =
-        candidates.iter().map(|c| c.queued_s.max(0.0)).sum::<f64>() / candidates.len() as f64;
-    c.queued_s > config.load_bounds_lift_max_queue * mean
 }
 
 /// Whether the load bounds are lifted for a request among `candidates`

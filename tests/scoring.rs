@@ -70,7 +70,6 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_load_slack, 1.0);
     assert_eq!(c.load_bounds_lift_at, 2.0);
     assert_eq!(c.load_bounds_lift_max_shares, 1.0);
-    assert_eq!(c.load_bounds_lift_max_queue, 0.0);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
@@ -226,49 +225,6 @@ fn where_every_worker_carries_the_lift_load_the_load_bounds_do_not_bind() {
         .validate()
         .is_err()
     );
-}
-
-#[test]
-fn where_the_bounds_are_lifted_a_worker_queued_past_the_lift_queue_keeps_its_bound() {
-    // The lift's fleet (4 workers, mean 4 in flight with this request): the home (worker 1)
-    // has 1.0 s queued against a mean of (0 + 1.0 + 0.3 + 0.3) / 4 = 0.4 s, 2.5 times it.
-    let preamble = 10;
-    let ws = [
-        worker(0, 0.0),
-        Candidate {
-            inflight: 9,
-            ..worker(preamble, 1.0)
-        },
-        Candidate {
-            inflight: 3,
-            ..worker(0, 0.3)
-        },
-        Candidate {
-            inflight: 3,
-            ..worker(0, 0.3)
-        },
-    ];
-    let c = choose(request(40), &ws, &config(), 0).expect("a choice");
-    assert_ne!(c.index, 1);
-    let queue = |max: f64| ScoringConfig {
-        load_bounds_lift_max_queue: max,
-        ..config()
-    };
-    assert!(goes_home(&c, &ws, 1, preamble, &queue(0.0)), "off: lifted");
-    assert!(
-        goes_home(&c, &ws, 1, preamble, &queue(3.0)),
-        "2.5 <= 3: lifted"
-    );
-    assert!(
-        !goes_home(&c, &ws, 1, preamble, &queue(2.0)),
-        "2.5 > 2: the home keeps its bound, ceil(2 x 4) = 8 < 10"
-    );
-    // The conversation hold the same: its bound times 2, not every request in flight times 2.
-    assert_eq!(conversation_load(&ws, 1, &queue(3.0)), (10.0, 32.0));
-    assert_eq!(conversation_load(&ws, 1, &queue(2.0)), (10.0, 16.0));
-    // A worker at or under the limit is lifted: worker 2 (0.3 s) carries 4, bound 16 × 2.
-    assert_eq!(conversation_load(&ws, 2, &queue(2.0)), (4.0, 32.0));
-    assert!(queue(-1.0).validate().is_err());
 }
 
 #[test]

@@ -140,17 +140,6 @@ impl Router {
         .then(rates);
         let unlifted;
         let scoring = match early {
-            _ if scoring.load_bounds_lift_at > 0.0
-                && (!scoring.load_bounds_lift_homes
-                    || (scoring.load_bounds_lift_homes_need_fit
-                        && !home_holds_its_footprint(choice, at_home, scoring))) =>
-            {
-                unlifted = ScoringConfig {
-                    load_bounds_lift_at: 0.0,
-                    ..scoring.clone()
-                };
-                &unlifted
-            }
             Some((_, _, shares)) if shares > scoring.load_bounds_lift_max_shares => {
                 unlifted = ScoringConfig {
                     load_bounds_lift_at: 0.0,
