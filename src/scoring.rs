@@ -249,6 +249,12 @@ pub struct ScoringConfig {
     /// home's load bound: one worker cannot carry it without queueing past the mean, and only
     /// the bound spreads it (default 1; 0: every group's bound is lifted).
     pub load_bounds_lift_max_shares: f64,
+    /// Where `load_bounds_lift_at` lifts the bounds, a group's home keeps its load bound
+    /// where the chosen worker's cache holds a copy ([`copy_fits`]): the lift is for a fleet
+    /// whose caches turn over, where a copy elsewhere evicts another group (default false).
+    pub load_bounds_lift_unless_copy_fits: bool,
+    /// The same for a conversation's worker (default false).
+    pub conversation_lift_unless_copy_fits: bool,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -381,6 +387,8 @@ impl Default for ScoringConfig {
             home_load_slack: 1.0,
             load_bounds_lift_at: 2.0,
             load_bounds_lift_max_shares: 1.0,
+            load_bounds_lift_unless_copy_fits: false,
+            conversation_lift_unless_copy_fits: false,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -727,6 +735,24 @@ pub fn home_holds_its_footprint(choice: &Choice, home: &Candidate, config: &Scor
         .max(queued_blocks(home, choice.block_size, config))
         .max(0.0);
     known(home.capacity_blocks).is_some_and(|capacity| footprint + new_blocks <= capacity)
+}
+
+/// Whether the chosen worker's cache holds what it took recently plus this request's new
+/// blocks there ([`home_holds_its_footprint`] of the choice): a copy of the request's prefix
+/// there evicts nothing recent.
+pub fn copy_fits(choice: &Choice, candidates: &[Candidate], config: &ScoringConfig) -> bool {
+    candidates
+        .get(choice.index)
+        .is_some_and(|c| home_holds_its_footprint(choice, c, config))
+}
+
+/// `config` with the load bounds binding at any load: what a hold weighs where
+/// `load_bounds_lift_max_shares` or the `*_lift_unless_copy_fits` options keep a bound.
+pub fn unlifted(config: &ScoringConfig) -> ScoringConfig {
+    ScoringConfig {
+        load_bounds_lift_at: 0.0,
+        ..config.clone()
+    }
 }
 
 /// The blocks of the prefill queued on a worker: its queue clock at its speed.

@@ -5,9 +5,9 @@
 use super::Router;
 use super::decision::{HomeHold, LetGo, PastBound};
 use crate::scoring::{
-    Candidate, Choice, ScoringConfig, allowed_wait, bounds_lifted, goes_home,
+    Candidate, Choice, ScoringConfig, allowed_wait, bounds_lifted, copy_fits, goes_home,
     home_holds_its_footprint, home_load, home_saves_preamble, home_spare_load,
-    home_wait_pays_for_preamble, wait_past_a_copy_that_fits,
+    home_wait_pays_for_preamble, unlifted, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
@@ -138,16 +138,18 @@ impl Router {
         let early = (scoring.load_bounds_lift_max_shares > 0.0
             && bounds_lifted(candidates, scoring))
         .then(rates);
-        let unlifted;
-        let scoring = match early {
-            Some((_, _, shares)) if shares > scoring.load_bounds_lift_max_shares => {
-                unlifted = ScoringConfig {
-                    load_bounds_lift_at: 0.0,
-                    ..scoring.clone()
-                };
-                &unlifted
-            }
-            _ => scoring,
+        let keeps_bound = match early {
+            Some((_, _, shares)) => shares > scoring.load_bounds_lift_max_shares,
+            None => false,
+        } || (scoring.load_bounds_lift_unless_copy_fits
+            && bounds_lifted(candidates, scoring)
+            && copy_fits(choice, candidates, scoring));
+        let kept;
+        let scoring = if keeps_bound {
+            kept = unlifted(scoring);
+            &kept
+        } else {
+            scoring
         };
         let mut past_bound = None;
         if !goes_home(choice, candidates, index, preamble, scoring) {

@@ -20,8 +20,8 @@ pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
-    Candidate, Choice, Estimate, RequestSize, choose, conversation_load, pick_below, queued_blocks,
-    splitmix64, wait_past_a_copy_that_fits,
+    Candidate, Choice, Estimate, RequestSize, bounds_lifted, choose, conversation_load, copy_fits,
+    pick_below, queued_blocks, splitmix64, unlifted, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -394,6 +394,16 @@ impl Router {
         let at = at.filter(|&at| at != choice.index)?;
         let name = self.target(*eligible.get(at)?)?.name;
         let scoring = &self.config.router.scoring;
+        let kept;
+        let scoring = if scoring.conversation_lift_unless_copy_fits
+            && bounds_lifted(candidates, scoring)
+            && copy_fits(choice, candidates, scoring)
+        {
+            kept = unlifted(scoring);
+            &kept
+        } else {
+            scoring
+        };
         let (carries, limit) = conversation_load(candidates, at, scoring);
         if carries > limit {
             return Some(Conversation::LetGo {

@@ -922,6 +922,70 @@ fn with_the_bounds_lifted_a_group_past_the_lifts_shares_keeps_its_load_bound() {
 }
 
 #[test]
+fn with_the_bounds_lifted_a_home_keeps_its_bound_where_a_copy_fits_with_the_option() {
+    // The lift at any load keeps all 8 at home (above). With
+    // `load_bounds_lift_unless_copy_fits`, where the other worker's cache holds a copy (a
+    // roomy cache) the home keeps its bound, and the third leaves as without the lift; where
+    // it cannot (a cache of about two requests, and the other application's 8 requests
+    // there), the lift stands.
+    let roomy = config(2).state.capacity_blocks;
+    let blocks = {
+        let store = MemoryStore::default();
+        let mut r = start(&store, config(2));
+        let system = "You are assistant one. ".repeat(20);
+        let b = with_system(&system, &png(600, 600), "Describe this image.");
+        route(&mut r, &store, &b, 0, 0).total_blocks as u32
+    };
+    let lifted = |unless_copy_fits: bool, capacity: u32| {
+        let mut config = bounded_home(1.0, capacity);
+        config.router.scoring.load_bounds_lift_at = 0.5;
+        config.router.scoring.load_bounds_lift_max_shares = 0.0;
+        config.router.scoring.load_bounds_lift_unless_copy_fits = unless_copy_fits;
+        config
+    };
+    let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
+    let (every, _, _) = fill_home_after(lifted(false, roomy), 1);
+    assert_eq!(first_away(&every), None, "{every:?}");
+    let (fits, _, lines) = fill_home_after(lifted(true, roomy), 1);
+    assert_eq!(first_away(&fits), Some(2), "{fits:?}");
+    assert!(
+        lines[2].contains("3 in flight there past its bound of 2"),
+        "{}",
+        lines[2]
+    );
+    let (tight, held, _) = fill_home_after(lifted(true, 2 * blocks), 1);
+    assert!(held, "{tight:?}");
+    assert_eq!(first_away(&tight), None, "{tight:?}");
+    assert!(!crate::scoring::ScoringConfig::default().load_bounds_lift_unless_copy_fits);
+}
+
+#[test]
+fn with_the_bounds_lifted_a_conversation_keeps_its_bound_where_a_copy_fits_with_the_option() {
+    // 4 in flight on the conversation's worker, 5 with the follow-up, over 8 workers: the
+    // mean 0.625 lifts the bounds at 0.5, and the hold's limit is every request in flight
+    // times 2. With `conversation_lift_unless_copy_fits` an idle worker's roomy cache holds
+    // the copy, so the hold keeps twice its bound (the floor 2), 4, and lets the turn go.
+    let lift = |s: &mut crate::scoring::ScoringConfig| s.load_bounds_lift_at = 0.5;
+    let (held, home) = follow_up_behind_a_queue_tuned(4, second_turn, lift);
+    assert_eq!(held.target.slot, home);
+    assert!(matches!(&held.conversation, Some(Conversation::Held(_))));
+    let (away, home) = follow_up_behind_a_queue_tuned(4, second_turn, |s| {
+        lift(s);
+        s.conversation_lift_unless_copy_fits = true;
+    });
+    assert_ne!(away.target.slot, home);
+    assert_eq!(
+        away.conversation,
+        Some(Conversation::LetGo {
+            name: format!("w{home}"),
+            carries: 5.0,
+            limit: 4.0
+        })
+    );
+    assert!(!crate::scoring::ScoringConfig::default().conversation_lift_unless_copy_fits);
+}
+
+#[test]
 fn with_home_spares_homes_a_request_past_its_bound_stays_rather_than_join_another_home() {
     // Caches of about one request (no home's footprint fits: no fit factor). Another
     // application's 8 requests (a second apart, each finished) make one worker its home;
