@@ -115,6 +115,10 @@
 //!   a prefill to the fleet's work and its group to another worker's cache. A group of more
 //!   than `load_bounds_lift_max_shares` (default 1) workers' shares of the recent traffic
 //!   keeps its home's bound there: one worker cannot carry it, and only the bound spreads it.
+//!   With `load_bounds_lift_unless_copy_fits` (and `conversation_lift_unless_copy_fits` for
+//!   a conversation's worker; both off by default), a bound also stands under the lift where
+//!   the cost's choice has room in its cache for the copy ([`copy_fits`]): the lift pays
+//!   where a copy evicts another group's blocks, not where it costs nothing recent.
 //!   With
 //!   `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
