@@ -232,6 +232,20 @@ fn follow_up_behind_a_queue_tuned(
     (route(&mut r, &store, &next, 1000, 0), home)
 }
 
+/// The follow-up of [`follow_up_behind_a_queue`] with 4 in flight left its conversation's
+/// worker, which carried 5 with it, past the hold's limit of 4.
+fn assert_let_go(away: &Decision, home: usize) {
+    assert_ne!(away.target.slot, home);
+    assert_eq!(
+        away.conversation,
+        Some(Conversation::LetGo {
+            name: format!("w{home}"),
+            carries: 5.0,
+            limit: 4.0
+        })
+    );
+}
+
 /// A third turn of the conversation `with_system(system, image, question)` started, whose
 /// second turn no worker saw.
 fn third_turn(system: &str, image: &[u8], question: &str) -> Vec<u8> {
@@ -322,15 +336,7 @@ fn a_follow_up_goes_back_to_its_conversation_within_the_holds_bound() {
     assert!(back.log_line().contains("; over the cost's choice"));
     // 4 in flight there: 5 with it, past twice the bound (ceil(2 × 5 / 8) = 2, the floor).
     let (away, home) = follow_up_behind_a_queue(2.0, 4);
-    assert_ne!(away.target.slot, home);
-    assert_eq!(
-        away.conversation,
-        Some(Conversation::LetGo {
-            name: format!("w{home}"),
-            carries: 5.0,
-            limit: 4.0
-        })
-    );
+    assert_let_go(&away, home);
     assert!(
         away.log_line().contains(&format!(
             "; not back to its conversation on w{home}: 5 in flight there past 4"
@@ -973,15 +979,7 @@ fn with_the_bounds_lifted_a_conversation_keeps_its_bound_where_a_copy_fits_with_
         lift(s);
         s.conversation_lift_unless_copy_fits = true;
     });
-    assert_ne!(away.target.slot, home);
-    assert_eq!(
-        away.conversation,
-        Some(Conversation::LetGo {
-            name: format!("w{home}"),
-            carries: 5.0,
-            limit: 4.0
-        })
-    );
+    assert_let_go(&away, home);
     assert!(!crate::scoring::ScoringConfig::default().conversation_lift_unless_copy_fits);
 }
 
