@@ -17,30 +17,20 @@ import argparse
 import concurrent.futures
 import json
 import random
-import re
 import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "support"))
-from ports import free_port  # noqa: E402  (tests/support/ports.py)
+from replay import ROOT, free_port, http_get, parse_metrics, wait_until
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"  # the mock's default served model
 
 
 def counters(url):
     """(prompt tokens, prefix-cache hit tokens, prefill seconds) from /metrics."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-
-    def total(name):
-        pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$"
-        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
-
-    return (total("vllm:prompt_tokens_total"), total("vllm:prefix_cache_hits_total"),
-            total("vllm:request_prefill_time_seconds_sum"))
+    vals = parse_metrics(http_get(f"{url}/metrics", timeout=5)[1])
+    return tuple(vals.get(name, 0.0) for name in (
+        "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
+        "vllm:request_prefill_time_seconds_sum"))
 
 
 def request(url, words, rng):
@@ -67,12 +57,7 @@ def main():
                             stderr=subprocess.DEVNULL)
     rng = random.Random(0)
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_until(lambda: http_get(f"{url}/health")[0] == 200, 10, "mock worker", mock)
         print("| prefills at once | speed read, tokens/s | share of the true speed | 2 / (c + 1) |")
         print("|---:|---:|---:|---:|")
         for c in (int(x) for x in a.concurrency.split(",")):
