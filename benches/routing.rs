@@ -152,6 +152,7 @@ fn scoring(c: &mut Criterion) {
                 waiting: Some((i % 3) as f64),
                 running: Some((i % 9) as f64),
                 prefill_tps: Some(8000.0 + i as f64),
+                peak_prefill_tps: Some(8000.0 + i as f64),
                 footprint: (i % 11) as f64 * 10.0,
                 capacity_blocks: Some(16384.0),
                 inflight: (i % 4) as u32,

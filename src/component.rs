@@ -104,6 +104,8 @@ impl Guest for Router {
                     waiting: w.waiting,
                     running: w.running,
                     prefill_tps: w.prefill_tps,
+                    // The WIT world carries no measured peak: speeds are not compared.
+                    peak_prefill_tps: None,
                     footprint: w.footprint,
                     capacity_blocks: None,
                     inflight: w.inflight,

@@ -119,6 +119,10 @@
 //!   a conversation's worker; both off by default), a bound also stands under the lift where
 //!   the cost's choice has room in its cache for the copy ([`copy_fits`]): the lift pays
 //!   where a copy evicts another group's blocks, not where it costs nothing recent.
+//!   With `load_bounds_lift_min_speed` (off by default), a home or conversation's worker
+//!   that prefills slower than that share of the cost's choice keeps its bound under the
+//!   lift ([`slower_than_choice`]): the lift counts requests, and on a slower worker each
+//!   one queued is a longer wait.
 //!   With
 //!   `home_load_by_groups`, where the homes table counts more groups
 //!   (effectively, by their recent rates) than there are workers, the slack is multiplied by
@@ -148,7 +152,8 @@
 //! by default) a new group's home is the worker with the fewest groups among those whose
 //! homed traffic is within its noise of the least ([`crate::state::homes::Placement`]).
 //! With `home_speed_weighted` (off by default) both count homed traffic per unit of each
-//! worker's observed prefill speed, and where speeds differ a home with more than 1.25 times
+//! worker's peak measured prefill speed (`Candidate::peak_prefill_tps`; not the reading the
+//! cost weighs, which falls with the queue), and where speeds differ a home with more than 1.25 times
 //! its part by speed gives up a group ([`crate::state::homes::Eligible`]).
 //!
 //! ## Conversations
@@ -259,6 +264,12 @@ pub struct ScoringConfig {
     pub load_bounds_lift_unless_copy_fits: bool,
     /// The same for a conversation's worker (default false).
     pub conversation_lift_unless_copy_fits: bool,
+    /// Where `load_bounds_lift_at` lifts the bounds, a home or a conversation's worker whose
+    /// observed prefill speed is below this share of the cost's choice's keeps its load bound
+    /// ([`slower_than_choice`]): the lift counts requests, and on a slower worker each one
+    /// in the queue is a longer wait (default 0: off; on a fleet of equal workers it never
+    /// acts).
+    pub load_bounds_lift_min_speed: f64,
     /// Where there are more groups than workers, `home_load_slack` is multiplied by the
     /// groups per eligible worker (the effective number of groups in the homes table, by
     /// their recent rates, over the workers; only where that is above 1) (default false).
@@ -363,14 +374,15 @@ pub struct ScoringConfig {
     /// [`wait_past_a_copy_that_fits`]).
     pub conversation_wait_where_copy_fits: bool,
     /// A new group's home is placed by each worker's homed traffic and groups per unit of its
-    /// observed prefill speed relative to the fastest eligible worker's (speeds within 25% of
+    /// peak measured prefill speed (`Live::prefill_tps_peak`, from the router's own requests
+    /// on an empty queue) relative to the fastest eligible worker's (speeds within 25% of
     /// it count as equal; unknown speeds as the fastest), so that a worker at 0.4 times the
     /// others' speed is given about 0.4 times their traffic
     /// ([`crate::state::homes::Eligible`]). Where the speeds differ, a home that carries more
     /// than 1.25 times its part of the homed traffic by speed gives up a group as
     /// `home_rebalance_above` would (the first homes are placed before any speed is known).
-    /// Default false: on equal workers the measured speeds differ by up to 2× with the mix of
-    /// requests each got, and that moved homes for nothing (docs/ROUTING.md).
+    /// Default false: measured from the engines' counters, equal workers' speeds differed by
+    /// up to 2× with their queues, and that moved homes for nothing (docs/ROUTING.md).
     pub home_speed_weighted: bool,
 }
 
@@ -393,6 +405,7 @@ impl Default for ScoringConfig {
             load_bounds_lift_max_shares: 1.0,
             load_bounds_lift_unless_copy_fits: false,
             conversation_lift_unless_copy_fits: false,
+            load_bounds_lift_min_speed: 0.0,
             home_load_by_groups: false,
             home_spares_homes: false,
             home_load_floor: 2,
@@ -441,6 +454,10 @@ impl ScoringConfig {
             (
                 "load_bounds_lift_max_shares",
                 self.load_bounds_lift_max_shares,
+            ),
+            (
+                "load_bounds_lift_min_speed",
+                self.load_bounds_lift_min_speed,
             ),
             ("home_max_shares", self.home_max_shares),
             ("home_share_min_requests", self.home_share_min_requests),
@@ -517,6 +534,10 @@ pub struct Candidate {
     pub running: Option<f64>,
     /// Observed prefill speed, tokens per second, when known.
     pub prefill_tps: Option<f64>,
+    /// The highest prefill speed the router measured lately on its own requests (tokens per
+    /// second), when known: the reading above falls with the prefills in flight, this does
+    /// not, so workers' speeds are compared by it ([`slower_than_choice`]).
+    pub peak_prefill_tps: Option<f64>,
     /// Recent new blocks put on the worker (decayed).
     pub footprint: f64,
     /// KV capacity in blocks of the request's size, when known.
@@ -750,8 +771,32 @@ pub fn copy_fits(choice: &Choice, candidates: &[Candidate], config: &ScoringConf
         .is_some_and(|c| home_holds_its_footprint(choice, c, config))
 }
 
+/// Whether candidate `at` (a home or a conversation's worker) prefills slower than
+/// `load_bounds_lift_min_speed` times the cost's choice, by their peak measured speeds
+/// (`peak_prefill_tps`; never where either is unknown, or with 0). Not by the readings the
+/// cost weighs: those fall with the prefills in flight, so that a busy worker reads slower
+/// than an idle one of the same speed.
+/// Under the lift such a worker keeps its load bound: the lift counts requests in flight, and
+/// each one queued on a slower worker is a longer wait.
+pub fn slower_than_choice(
+    choice: &Choice,
+    candidates: &[Candidate],
+    at: usize,
+    config: &ScoringConfig,
+) -> bool {
+    let share = config.load_bounds_lift_min_speed;
+    match (candidates.get(at), candidates.get(choice.index)) {
+        (Some(held), Some(chosen)) if share > 0.0 => match (peak_speed(held), peak_speed(chosen)) {
+            (Some(held), Some(chosen)) => held < share * chosen,
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 /// `config` with the load bounds binding at any load: what a hold weighs where
-/// `load_bounds_lift_max_shares` or the `*_lift_unless_copy_fits` options keep a bound.
+/// `load_bounds_lift_max_shares`, `load_bounds_lift_min_speed` or the
+/// `*_lift_unless_copy_fits` options keep a bound.
 pub fn unlifted(config: &ScoringConfig) -> ScoringConfig {
     ScoringConfig {
         load_bounds_lift_at: 0.0,
@@ -872,6 +917,11 @@ fn speed(c: &Candidate, config: &ScoringConfig) -> f64 {
     known(c.prefill_tps)
         .filter(|s| *s > 0.0)
         .unwrap_or(config.prefill_tokens_per_sec)
+}
+
+/// What the worker can prefill at, when measured: its recent peak.
+fn peak_speed(c: &Candidate) -> Option<f64> {
+    known(c.peak_prefill_tps).filter(|s| *s > 0.0)
 }
 
 fn known(v: Option<f64>) -> Option<f64> {

@@ -6,6 +6,7 @@ mod support;
 
 use mmrouter::feed::{self, Feed, FeedWorker};
 use mmrouter::state::load::{Load, decode as decode_loads};
+use mmrouter::state::workers::LiveTable;
 use mmrouter::state::{Keys, StateConfig};
 use proxy_wasm_host::{
     Action, Callback, Host, HostError, HttpResponse, LogLevel, Response, Vm, VmConfig,
@@ -96,6 +97,20 @@ fn inflight(host: &Host, n: usize) -> Vec<u32> {
 fn queued_us(host: &Host, n: usize) -> Vec<u64> {
     let now = host_now_us(host);
     loads(host, n).iter().map(|l| l.queued_us(now)).collect()
+}
+
+/// Each worker's peak measured prefill speed (tokens/s, counted or not yet), from the shared
+/// live table.
+fn peak_speeds(host: &Host, n: usize) -> Vec<f64> {
+    let keys = Keys::new(StateConfig::default().namespace(16));
+    let bytes = host
+        .shared_data(&keys.live())
+        .map(|(v, _)| v)
+        .unwrap_or_default();
+    let live = LiveTable::decode(&bytes);
+    (0..n)
+        .map(|s| live.get(s).map_or(0.0, |l| f64::from(l.prefill_tps_peak)))
+        .collect()
 }
 
 fn host_now_us(host: &Host) -> u64 {
@@ -484,6 +499,14 @@ fn a_streams_first_chunk_ends_its_prefill_and_moves_what_queued_behind_it() {
     assert!(
         left.abs_diff(db) < 1_000,
         "B's prefill ({db} µs) now starts at A's real first token: {left} µs left"
+    );
+    // A went to an empty queue, so its first token measured the worker's speed: its tokens
+    // (estimated at the default 10,000 tokens/s) over 1.5 times the estimate. B, queued
+    // behind A, measures nothing.
+    let peak = peak_speeds(&host, 1)[0];
+    assert!(
+        (peak - 10_000.0 / 1.5).abs() < 100.0,
+        "the peak speed measured from A: {peak} tokens/s"
     );
     vm.reset(b.id()).unwrap();
     assert_eq!(

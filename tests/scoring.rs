@@ -3,7 +3,7 @@
 use mmrouter::config::RouterConfig;
 use mmrouter::scoring::{
     Candidate, RequestSize, ScoringConfig, choose, conversation_load, goes_home,
-    home_wait_pays_for_preamble,
+    home_wait_pays_for_preamble, slower_than_choice,
 };
 
 const SPEED: f64 = 8000.0;
@@ -70,6 +70,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_load_slack, 1.0);
     assert_eq!(c.load_bounds_lift_at, 2.0);
     assert_eq!(c.load_bounds_lift_max_shares, 1.0);
+    assert_eq!(c.load_bounds_lift_min_speed, 0.0);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
@@ -373,6 +374,10 @@ fn validation_names_bad_values() {
             r#"{"scoring":{"conversation_hold":-1}}"#,
             "scoring.conversation_hold",
         ),
+        (
+            r#"{"scoring":{"load_bounds_lift_min_speed":-0.5}}"#,
+            "scoring.load_bounds_lift_min_speed",
+        ),
         (r#"{"scoring":{"inflight_weight":4}}"#, "inflight_weight"),
     ] {
         let e = RouterConfig::from_json(json.as_bytes()).expect_err(json);
@@ -521,6 +526,59 @@ fn the_engine_queue_counts_only_where_it_says_more_than_the_router_knows() {
     let c = choose(req, &[b, worker(0, 0.0)], &config(), 0).expect("choice");
     assert!((c.estimates[0].wait_s - 10.0 * full_s).abs() < 1e-9);
     assert_eq!(c.index, 1, "the hidden queue outweighs the hit");
+}
+
+#[test]
+fn a_held_worker_is_slower_than_the_choice_only_below_the_share_of_its_peak_speed() {
+    // Worker 0 holds the prefix (the hold's worker); worker 1, idle, is the cost's choice.
+    // Speeds are compared by the peaks the router measured, not by the readings.
+    let req = request(50);
+    let at_peak = |held: f64| {
+        let mut h = worker(40, 1.0);
+        h.prefill_tps = Some(held);
+        h.peak_prefill_tps = Some(held);
+        let mut idle = worker(0, 0.0);
+        idle.prefill_tps = Some(SPEED);
+        idle.peak_prefill_tps = Some(SPEED);
+        [h, idle]
+    };
+    let with = |share: f64| ScoringConfig {
+        load_bounds_lift_min_speed: share,
+        ..config()
+    };
+    let slow = at_peak(0.4 * SPEED);
+    let c = choose(req, &slow, &config(), 0).expect("choice");
+    assert_eq!(c.index, 1);
+    assert!(slower_than_choice(&c, &slow, 0, &with(0.8)));
+    // Off at 0, and never where the speeds are within the share or the worker is the choice.
+    assert!(!slower_than_choice(&c, &slow, 0, &config()));
+    assert!(!slower_than_choice(&c, &slow, 0, &with(0.3)));
+    assert!(!slower_than_choice(&c, &slow, 1, &with(0.8)));
+    let near = at_peak(0.9 * SPEED);
+    let c = choose(req, &near, &config(), 0).expect("choice");
+    assert_eq!(c.index, 1);
+    assert!(!slower_than_choice(&c, &near, 0, &with(0.8)));
+    // Out of range is no.
+    assert!(!slower_than_choice(&c, &near, 7, &with(0.8)));
+    // A busy worker reads slow (its requests' prefill times count their wait), but its peak
+    // says it is as fast as the choice: not slower.
+    let mut busy = at_peak(SPEED);
+    busy[0].prefill_tps = Some(0.4 * SPEED);
+    let c = choose(req, &busy, &config(), 0).expect("choice");
+    assert_eq!(c.index, 1);
+    assert!(!slower_than_choice(&c, &busy, 0, &with(0.8)));
+    // A slow peak is slow even where the reading says otherwise.
+    let mut slow_peak = at_peak(SPEED);
+    slow_peak[0].peak_prefill_tps = Some(0.4 * SPEED);
+    let c = choose(req, &slow_peak, &config(), 0).expect("choice");
+    assert_eq!(c.index, 1);
+    assert!(slower_than_choice(&c, &slow_peak, 0, &with(0.8)));
+    // Where either peak is unknown (not measured yet), nothing is compared.
+    for unknown in [0, 1] {
+        let mut u = slow;
+        u[unknown].peak_prefill_tps = None;
+        assert!(!slower_than_choice(&c, &u, 0, &with(0.8)));
+    }
 }
 
 #[test]

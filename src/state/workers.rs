@@ -119,6 +119,17 @@ pub struct Live {
     pub kv_usage: f32,
     /// Observed prefill speed, uncached prompt tokens per second (0 = unknown).
     pub prefill_tps: f32,
+    /// The highest prefill speed the router measured on its own requests, decayed by
+    /// [`PEAK_DECAY`] at each probe ([`Live::observe_probe`]): a streamed request routed to an
+    /// empty queue measures its uncached tokens over the time to its first chunk. Each such
+    /// sample is at most the speed (the time counts the network, the encoder and other
+    /// requests' decode steps), and does not fall with the queue as `prefill_tps` does (a
+    /// request's prefill time counts its wait behind other prefills, and vLLM's counters
+    /// count cache hits before prompt tokens); workers' speeds are compared by it
+    /// ([`Live::peak_prefill_tps`]), not by the reading.
+    pub prefill_tps_peak: f32,
+    /// Probes taken (saturating): the peak counts from [`MIN_PROBES`] on.
+    pub prefill_probes: u8,
     /// When the metrics were taken (ms since the epoch; 0 = never).
     pub metrics_ms: u64,
     /// New blocks the worker took recently, decayed with the configured half-life at
@@ -131,7 +142,17 @@ pub struct Live {
     pub prefill_seconds_total: f64,
 }
 
-const LIVE_ENTRY: usize = 8 + 4 + 4 + 4 * 4 + 8 + 4 + 8 + 8 + 8;
+const LIVE_ENTRY: usize = 8 + 4 + 4 + 4 * 4 + 8 + 4 + 8 + 8 + 8 + 4 + 1;
+
+/// What [`Live::prefill_tps_peak`] keeps of itself at each probe: a peak falls by half over
+/// about 34 probes that stay below it (a worker that got slower for good), and never with
+/// time alone (a worker too busy to be probed keeps its peak, so equal workers' peaks do not
+/// drift apart under load).
+pub const PEAK_DECAY: f64 = 0.98;
+
+/// Probes a worker's peak needs before it counts: the first probes of a worker (image-heavy
+/// requests, whose encoder time counts) read as low as half its speed.
+pub const MIN_PROBES: u8 = 8;
 const LIVE_HEADER: usize = 8 + 8 + 4 + 8;
 
 impl Live {
@@ -200,6 +221,25 @@ impl Live {
         self.footprint_ms = self.footprint_ms.max(now_ms);
     }
 
+    /// A probe measured `tps` (tokens per second): the peak decays by [`PEAK_DECAY`] and
+    /// becomes `tps` where that is higher. False (nothing counted) unless `tps` is positive
+    /// and finite.
+    pub fn observe_probe(&mut self, tps: f64) -> bool {
+        if !(tps.is_finite() && tps > 0.0) {
+            return false;
+        }
+        let decayed = f64::from(self.prefill_tps_peak) * PEAK_DECAY;
+        self.prefill_tps_peak = decayed.max(tps) as f32;
+        self.prefill_probes = self.prefill_probes.saturating_add(1);
+        true
+    }
+
+    /// The peak prefill speed, once [`MIN_PROBES`] probes measured it (None before).
+    pub fn peak_prefill_tps(&self) -> Option<f64> {
+        (self.prefill_probes >= MIN_PROBES && self.prefill_tps_peak > 0.0)
+            .then_some(f64::from(self.prefill_tps_peak))
+    }
+
     /// The engine's metrics as [`WorkerMetrics`], when the slot has fresh ones.
     pub fn metrics(&self) -> Option<WorkerMetrics> {
         self.has_metrics().then(|| WorkerMetrics {
@@ -251,6 +291,8 @@ impl LiveTable {
             out.extend_from_slice(&l.footprint_ms.to_le_bytes());
             out.extend_from_slice(&l.tokens_total.to_le_bytes());
             out.extend_from_slice(&l.prefill_seconds_total.to_le_bytes());
+            out.extend_from_slice(&l.prefill_tps_peak.to_le_bytes());
+            out.push(l.prefill_probes);
         }
         out
     }
@@ -287,6 +329,8 @@ impl LiveTable {
             let footprint_ms = r.u64()?;
             let tokens_total = f64::from_bits(r.u64()?);
             let prefill_seconds_total = f64::from_bits(r.u64()?);
+            let prefill_tps_peak = r.f32()?;
+            let prefill_probes = r.u8()?;
             slots.push(Live {
                 clock,
                 capacity,
@@ -303,6 +347,8 @@ impl LiveTable {
                 footprint_ms,
                 tokens_total,
                 prefill_seconds_total,
+                prefill_tps_peak,
+                prefill_probes,
             });
         }
         Some(LiveTable {
@@ -355,6 +401,8 @@ mod tests {
                     flags: flag::ACTIVE | flag::HEALTHY,
                     waiting: 2.0,
                     prefill_tps: 8000.0,
+                    prefill_tps_peak: 9000.0,
+                    prefill_probes: 3,
                     tokens_total: 1.5,
                     prefill_seconds_total: -1.0,
                     ..Live::default()
@@ -367,6 +415,34 @@ mod tests {
             assert_eq!(LiveTable::decode(bytes), LiveTable::default());
             assert_eq!(Members::decode(bytes), Members::default());
         }
+    }
+
+    #[test]
+    fn the_peak_speed_counts_after_enough_probes_and_decays_per_probe() {
+        let mut w = Live::default();
+        assert_eq!(w.peak_prefill_tps(), None);
+        // The first probe is image-heavy and reads low; the next ones find the speed.
+        assert!(w.observe_probe(5_000.0));
+        assert!(w.observe_probe(10_000.0));
+        for _ in 2..MIN_PROBES - 1 {
+            assert!(w.observe_probe(6_000.0));
+        }
+        assert_eq!(w.peak_prefill_tps(), None, "one probe short");
+        assert!(w.observe_probe(6_000.0));
+        let peak = w.peak_prefill_tps().expect("enough probes");
+        let want = 10_000.0 * PEAK_DECAY.powi(i32::from(MIN_PROBES) - 2);
+        assert!((peak - want).abs() < 1.0, "{peak} {want}");
+        // A worker that got slower for good: the peak follows its probes down.
+        for _ in 0..300 {
+            w.observe_probe(4_000.0);
+        }
+        assert!((w.peak_prefill_tps().unwrap_or(0.0) - 4_000.0).abs() < 1.0);
+        // Nonsense samples count nothing.
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(!w.observe_probe(bad));
+        }
+        assert!((w.peak_prefill_tps().unwrap_or(0.0) - 4_000.0).abs() < 1.0);
+        assert_eq!(w.prefill_probes, u8::MAX, "saturates");
     }
 
     #[test]

@@ -10,7 +10,7 @@ mod lines;
 
 use self::held::{Waiting, complete, on_fetch_reply, poll_waiting};
 use self::host::{HostDispatcher, HostStore, log, now_us};
-use self::lines::fetch_line;
+use self::lines::{fetch_line, speed_line};
 use super::config::{DecisionLog, FilterConfig};
 use super::fetch::Plan;
 use super::fetch::guard::Guard;
@@ -558,7 +558,13 @@ impl HttpContext for FilterStream {
         };
         self.prefill_seen = true;
         if let Ok(s) = shared.try_borrow() {
-            s.router.prefill_done(&s.store, decision, now_us());
+            let now = now_us();
+            if let Some(tps) = s.router.measure_speed(&s.store, decision, now)
+                && let Some(level) = s.decision_level
+            {
+                log(level, &speed_line(decision, tps));
+            }
+            s.router.prefill_done(&s.store, decision, now);
         }
         Action::Continue
     }

@@ -100,6 +100,18 @@ pub struct Target {
     pub address: String,
 }
 
+/// See [`Decision::speed_probe`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedProbe {
+    pub routed_us: u64,
+    pub tokens: u32,
+    pub incarnation: u8,
+}
+
+/// The fewest uncached prompt tokens a request needs to measure its worker's prefill speed:
+/// below, the time to its first chunk is mostly the proxy's and the network's.
+pub const SPEED_PROBE_MIN_TOKENS: u32 = 512;
+
 /// A routing decision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
@@ -127,6 +139,11 @@ pub struct Decision {
     pub prefill_window: Option<(u64, u64)>,
     /// The client asked for a stream (prefill then ends at the first response chunk).
     pub stream: bool,
+    /// A streamed request routed to an empty prefill queue, with at least
+    /// [`SPEED_PROBE_MIN_TOKENS`] uncached: when it was routed (µs since the epoch), its
+    /// uncached prompt tokens and the slot's incarnation. Its first chunk measures the
+    /// worker's prefill speed ([`Router::prefill_done`]).
+    pub speed_probe: Option<SpeedProbe>,
     /// Media items in the request.
     pub media: usize,
     /// Block buckets read.

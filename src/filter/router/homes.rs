@@ -7,11 +7,11 @@ use super::decision::{HomeHold, LetGo, PastBound};
 use crate::scoring::{
     Candidate, Choice, ScoringConfig, allowed_wait, bounds_lifted, copy_fits, goes_home,
     home_holds_its_footprint, home_load, home_saves_preamble, home_spare_load,
-    home_wait_pays_for_preamble, unlifted, wait_past_a_copy_that_fits,
+    home_wait_pays_for_preamble, slower_than_choice, unlifted, wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::holders_of;
 use crate::state::homes::{Eligible, Homes, Placement, Rebalance, share_of};
-use crate::state::workers::LiveTable;
+use crate::state::workers::{Live, LiveTable};
 use crate::state::{SharedStore, cas_update};
 
 /// Groups the homes table keeps (`scoring.home_hold`): about 23 bytes each, so one read of
@@ -81,7 +81,11 @@ impl Router {
         if scoring.home_speed_weighted {
             let measured: Vec<f64> = workers
                 .iter()
-                .map(|w| live.get(w.slot).map_or(0.0, |l| f64::from(l.prefill_tps)))
+                .map(|w| {
+                    live.get(w.slot)
+                        .and_then(Live::peak_prefill_tps)
+                        .unwrap_or(0.0)
+                })
                 .collect();
             let relative = Eligible::relative_speeds(&measured, SPEED_BAND);
             for (w, speed) in workers.iter_mut().zip(relative) {
@@ -141,9 +145,10 @@ impl Router {
         let keeps_bound = match early {
             Some((_, _, shares)) => shares > scoring.load_bounds_lift_max_shares,
             None => false,
-        } || (scoring.load_bounds_lift_unless_copy_fits
-            && bounds_lifted(candidates, scoring)
-            && copy_fits(choice, candidates, scoring));
+        } || (bounds_lifted(candidates, scoring)
+            && ((scoring.load_bounds_lift_unless_copy_fits
+                && copy_fits(choice, candidates, scoring))
+                || slower_than_choice(choice, candidates, index, scoring)));
         let kept;
         let scoring = if keeps_bound {
             kept = unlifted(scoring);

@@ -15,13 +15,16 @@ mod surviving;
 #[cfg(test)]
 mod tests;
 
-pub use decision::{Conversation, Decision, Fallback, Held, LetGo, Target};
+pub use decision::{
+    Conversation, Decision, Fallback, Held, LetGo, SPEED_PROBE_MIN_TOKENS, SpeedProbe, Target,
+};
 
 use super::config::FilterConfig;
 use crate::analysis::{Analysis, AnalyzeError, analyze};
 use crate::scoring::{
     Candidate, Choice, Estimate, RequestSize, bounds_lifted, choose, conversation_load, copy_fits,
-    pick_below, queued_blocks, splitmix64, unlifted, wait_past_a_copy_that_fits,
+    pick_below, queued_blocks, slower_than_choice, splitmix64, unlifted,
+    wait_past_a_copy_that_fits,
 };
 use crate::state::blocks::Bucket;
 use crate::state::homes::Homes;
@@ -231,6 +234,26 @@ impl Router {
         let end = self
             .load
             .route_after(store, &snapshot, slot, now_us, prefill_us, new_blocks);
+        // Its prefill starts now (nothing queued ahead by the router's clock): the time to its
+        // first chunk measures the worker's speed.
+        let uncached = analysis
+            .layout
+            .prompt_tokens
+            .saturating_sub(matched.saturating_mul(block_size));
+        let speed_probe = match (end, live.get(slot)) {
+            (Some(e), Some(l))
+                if analysis.stream
+                    && e.saturating_sub(prefill_us) <= now_us
+                    && uncached >= SPEED_PROBE_MIN_TOKENS as usize =>
+            {
+                Some(SpeedProbe {
+                    routed_us: now_us,
+                    tokens: uncached.min(u32::MAX as usize) as u32,
+                    incarnation: l.incarnation,
+                })
+            }
+            _ => None,
+        };
         // The stamp of the request's first key: the worker's clock once it has allocated the
         // request's new blocks (key `i` gets this minus `i`). In precise mode the engine's
         // `BlockStored` events move the clock by them only after routing, and the request's
@@ -318,6 +341,7 @@ impl Router {
             cut_at_admission,
             prefill_window: end.map(|e| (e.saturating_sub(prefill_us), e)),
             stream: analysis.stream,
+            speed_probe,
             media: analysis.media.len(),
             probes: prefix.probes,
             precise: live.precise,
@@ -395,9 +419,10 @@ impl Router {
         let name = self.target(*eligible.get(at)?)?.name;
         let scoring = &self.config.router.scoring;
         let kept;
-        let scoring = if scoring.conversation_lift_unless_copy_fits
-            && bounds_lifted(candidates, scoring)
-            && copy_fits(choice, candidates, scoring)
+        let scoring = if bounds_lifted(candidates, scoring)
+            && ((scoring.conversation_lift_unless_copy_fits
+                && copy_fits(choice, candidates, scoring))
+                || slower_than_choice(choice, candidates, at, scoring))
         {
             kept = unlifted(scoring);
             &kept
@@ -502,6 +527,7 @@ impl Router {
             cut_at_admission: None,
             prefill_window: None,
             stream: false,
+            speed_probe: None,
             media: 0,
             probes: 0,
             precise: live.precise,
@@ -555,6 +581,7 @@ fn candidate(
         waiting: metrics.map(|m| m.waiting),
         running: metrics.map(|m| m.running),
         prefill_tps: (l.prefill_tps > 0.0).then_some(f64::from(l.prefill_tps)),
+        peak_prefill_tps: l.peak_prefill_tps(),
         footprint: l.footprint_at(now_ms, half_life_ms),
         capacity_blocks: (l.capacity > 0).then_some(f64::from(l.capacity)),
         inflight: load.inflight,

@@ -6,7 +6,7 @@ use super::{Decision, Router};
 use crate::state::SharedStore;
 use crate::state::decisions;
 use crate::state::load::Load;
-use crate::state::writer::read_live;
+use crate::state::writer::{read_live, update_live};
 
 impl Router {
     /// The request's first response chunk arrived at `now_us` (prefill done).
@@ -15,6 +15,25 @@ impl Router {
             Some((_, end)) => self.load.prefill_done(store, d.target.slot, now_us, end),
             None => false,
         }
+    }
+
+    /// The first chunk of a request routed to an empty queue ([`Decision::speed_probe`])
+    /// arrived at `now_us`: counts the speed it measured (its uncached tokens over the time
+    /// from routing to its first chunk) into the worker's peak (`Live::prefill_tps_peak`), and
+    /// returns it. One live-table CAS; nothing for a request that probes nothing.
+    pub fn measure_speed(&self, store: &dyn SharedStore, d: &Decision, now_us: u64) -> Option<f64> {
+        let (slot, p) = (d.target.slot, d.speed_probe?);
+        let elapsed_us = now_us.saturating_sub(p.routed_us);
+        if elapsed_us == 0 {
+            return None;
+        }
+        let tps = f64::from(p.tokens) * 1e6 / elapsed_us as f64;
+        update_live(store, &self.keys, now_us / 1000, |table| {
+            table.slots.get_mut(slot).is_some_and(|l| {
+                l.incarnation == p.incarnation && l.active() && l.observe_probe(tps)
+            })
+        })
+        .then_some(tps)
     }
 
     /// The stream ended (completed, reset or failed): release its load. `prefill_seen` says

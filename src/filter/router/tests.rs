@@ -1,7 +1,7 @@
 use super::*;
 use crate::scoring::WaitPast;
 use crate::state::MemoryStore;
-use crate::state::writer::{drain, record_poll, sync_members};
+use crate::state::writer::{drain, read_live, record_poll, sync_members};
 use crate::worker_metrics::{EngineScrape, WorkerMetrics};
 use base64::Engine as _;
 use test_images::png;
@@ -204,6 +204,17 @@ fn follow_up_behind_a_queue_tuned(
     next: fn(&str, &[u8], &str) -> Vec<u8>,
     tune: impl FnOnce(&mut crate::scoring::ScoringConfig),
 ) -> (Decision, usize) {
+    follow_up_behind_a_queue_on(in_flight, next, tune, None)
+}
+
+/// [`follow_up_behind_a_queue_tuned`] where, with `home_speed` `Some(share)`, the
+/// conversation's worker prefills at that share of the others' speed (10,000 tokens/s).
+fn follow_up_behind_a_queue_on(
+    in_flight: u32,
+    next: fn(&str, &[u8], &str) -> Vec<u8>,
+    tune: impl FnOnce(&mut crate::scoring::ScoringConfig),
+    home_speed: Option<f32>,
+) -> (Decision, usize) {
     let store = MemoryStore::default();
     let mut c = config(8);
     tune(&mut c.router.scoring);
@@ -222,6 +233,18 @@ fn follow_up_behind_a_queue_tuned(
     assert!(r.finished(&store, &first, 10_000, true));
     apply(&store, &r, 10);
     let home = first.target.slot;
+    if let Some(share) = home_speed {
+        let speeds: Vec<f32> = (0..8)
+            .map(|slot| {
+                if slot == home {
+                    10_000.0 * share
+                } else {
+                    10_000.0
+                }
+            })
+            .collect();
+        set_speeds(&store, &r, &speeds);
+    }
     let load = LoadTable::new(r.keys().load());
     let queued_us = (first.estimate.prefill_s * 6.0 * 1e6) as u64;
     for i in 0..in_flight {
@@ -682,22 +705,46 @@ fn with_home_hold_each_group_keeps_to_one_worker_and_the_groups_to_different_one
     assert!(spread > 0, "{went:?}");
 }
 
-/// Homes of 8 applications' first requests (each finished before the next) on 2 workers, w1
-/// at 0.4 times w0's prefill speed, with `scoring.home_speed_weighted` set to `on`: how many
-/// groups are homed on each worker.
-fn homes_on_a_mixed_fleet(on: bool) -> [usize; 2] {
-    let store = MemoryStore::default();
-    let mut c = home_hold(2, 1.0);
-    c.router.scoring.home_speed_weighted = on;
-    let mut r = start(&store, c);
-    crate::state::writer::update_live(&store, r.keys(), 0, |table| {
-        for (slot, speed) in [(0, 20_000.0), (1, 8_000.0)] {
-            if let Some(l) = table.slots.get_mut(slot) {
-                l.prefill_tps = speed;
+/// Sets the workers' observed prefill speeds (tokens per second), slot by slot, as a first
+/// reading (their peaks too).
+fn set_speeds(store: &MemoryStore, r: &Router, speeds: &[f32]) {
+    crate::state::writer::update_live(store, r.keys(), 0, |table| {
+        for (l, &speed) in table.slots.iter_mut().zip(speeds) {
+            l.prefill_tps = speed;
+            for _ in 0..crate::state::workers::MIN_PROBES {
+                l.observe_probe(f64::from(speed));
             }
         }
         true
     });
+}
+
+/// Sets the workers' current prefill speed readings only (their peaks stay): a busy worker
+/// reads below what it can do.
+fn set_readings(store: &MemoryStore, r: &Router, readings: &[f32]) {
+    crate::state::writer::update_live(store, r.keys(), 0, |table| {
+        for (l, &speed) in table.slots.iter_mut().zip(readings) {
+            l.prefill_tps = speed;
+        }
+        true
+    });
+}
+
+/// Homes of 8 applications' first requests (each finished before the next) on 2 workers, w1
+/// at 0.4 times w0's prefill speed, with `scoring.home_speed_weighted` set to `on`: how many
+/// groups are homed on each worker.
+fn homes_on_a_mixed_fleet(on: bool) -> [usize; 2] {
+    homes_on(on, &[20_000.0, 8_000.0], &[])
+}
+
+/// [`homes_on_a_mixed_fleet`] on workers of peak `speeds` that read `readings`.
+fn homes_on(on: bool, speeds: &[f32], readings: &[f32]) -> [usize; 2] {
+    let store = MemoryStore::default();
+    let mut c = home_hold(2, 1.0);
+    c.router.scoring.home_speed_weighted = on;
+    let mut r = start(&store, c);
+    set_speeds(&store, &r, speeds);
+    set_readings(&store, &r, readings);
     for g in 0..8u32 {
         let system = format!("You are assistant number {g}. ").repeat(20);
         let b = with_system(&system, &png(500 + g, 600), "Describe this image.");
@@ -725,6 +772,9 @@ fn with_speed_weighted_homes_a_slower_worker_is_home_to_fewer_groups() {
     assert_eq!(homes_on_a_mixed_fleet(false), [4, 4]);
     let [fast, slow] = homes_on_a_mixed_fleet(true);
     assert!(fast >= 5 && slow <= 3, "{fast} / {slow}");
+    // Equal workers where one reads at 0.4 of the other (busy: its prefill times count their
+    // waits): their measured peaks are equal, so homes are placed as on equal workers.
+    assert_eq!(homes_on(true, &[20_000.0; 2], &[20_000.0, 8_000.0]), [4, 4]);
 }
 
 #[test]
@@ -782,8 +832,29 @@ fn fill_home_logged(config: FilterConfig) -> (Vec<usize>, bool, Vec<String>) {
 
 /// [`fill_home_logged`] after `others` other applications' 8 finished requests (taking turns).
 fn fill_home_after(config: FilterConfig, others: u32) -> (Vec<usize>, bool, Vec<String>) {
+    fill_home_on(config, others, &[])
+}
+
+/// [`fill_home_after`] on workers of the observed prefill `speeds` ([`set_speeds`]).
+fn fill_home_on(
+    config: FilterConfig,
+    others: u32,
+    speeds: &[f32],
+) -> (Vec<usize>, bool, Vec<String>) {
+    fill_home_read(config, others, speeds, &[])
+}
+
+/// [`fill_home_on`] where the workers then read `readings` ([`set_readings`]).
+fn fill_home_read(
+    config: FilterConfig,
+    others: u32,
+    speeds: &[f32],
+    readings: &[f32],
+) -> (Vec<usize>, bool, Vec<String>) {
     let store = MemoryStore::default();
     let mut r = start(&store, config);
+    set_speeds(&store, &r, speeds);
+    set_readings(&store, &r, readings);
     let system = "You are assistant one. ".repeat(20);
     // Other applications' traffic first (finished), so that this one's is no more than
     // one worker's share.
@@ -981,6 +1052,68 @@ fn with_the_bounds_lifted_a_conversation_keeps_its_bound_where_a_copy_fits_with_
     });
     assert_let_go(&away, home);
     assert!(!crate::scoring::ScoringConfig::default().conversation_lift_unless_copy_fits);
+}
+
+#[test]
+fn with_the_bounds_lifted_a_slower_home_keeps_its_bound_with_the_option() {
+    // Two workers, the home 0.4 times the other's speed. The lift at any load keeps all 8
+    // on the home; with `load_bounds_lift_min_speed` 0.8 the slow home keeps its bound and the
+    // third leaves, as without the lift. On equal workers the option does nothing.
+    let roomy = config(2).state.capacity_blocks;
+    let lifted = |min_speed: f64| {
+        let mut config = bounded_home(1.0, roomy);
+        config.router.scoring.load_bounds_lift_at = 0.5;
+        config.router.scoring.load_bounds_lift_max_shares = 0.0;
+        config.router.scoring.load_bounds_lift_min_speed = min_speed;
+        config
+    };
+    let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
+    // The other application's requests take the idle fast worker first: it is their home,
+    // and the slow one this group's.
+    let speeds = [10_000.0, 4_000.0];
+    let (every, _, _) = fill_home_on(lifted(0.0), 1, &speeds);
+    assert_eq!(every[0], 1, "{every:?}");
+    assert_eq!(first_away(&every), None, "{every:?}");
+    let (slow, held, lines) = fill_home_on(lifted(0.8), 1, &speeds);
+    assert!(held, "{slow:?}");
+    assert_eq!(slow[0], 1, "{slow:?}");
+    assert_eq!(first_away(&slow), Some(2), "{slow:?}");
+    assert!(
+        lines[2].contains("3 in flight there past its bound of 2"),
+        "{}",
+        lines[2]
+    );
+    let (equal, _, _) = fill_home_on(lifted(0.8), 1, &[10_000.0, 10_000.0]);
+    assert_eq!(first_away(&equal), None, "{equal:?}");
+    // Equal workers where the home reads slow (busy: its prefill times count their waits) but
+    // its peak is the other's: as fast, so the lift holds.
+    let (busy, _, _) = fill_home_read(lifted(0.8), 1, &[10_000.0, 10_000.0], &[10_000.0, 4_000.0]);
+    assert_eq!(busy[0], 1, "{busy:?}");
+    assert_eq!(first_away(&busy), None, "{busy:?}");
+    assert_eq!(
+        crate::scoring::ScoringConfig::default().load_bounds_lift_min_speed,
+        0.0
+    );
+}
+
+#[test]
+fn with_the_bounds_lifted_a_slower_conversation_worker_keeps_its_bound_with_the_option() {
+    // As above for a conversation's worker at 0.4 times the others' speed: held under the lift,
+    // let go with `load_bounds_lift_min_speed` 0.8 (5 in flight past the limit of 4), held
+    // again where it is as fast as the rest.
+    let lift = |s: &mut crate::scoring::ScoringConfig| s.load_bounds_lift_at = 0.5;
+    let min_speed = |s: &mut crate::scoring::ScoringConfig| {
+        lift(s);
+        s.load_bounds_lift_min_speed = 0.8;
+    };
+    let (held, home) = follow_up_behind_a_queue_on(4, second_turn, lift, Some(0.4));
+    assert_eq!(held.target.slot, home);
+    assert!(matches!(&held.conversation, Some(Conversation::Held(_))));
+    let (away, home) = follow_up_behind_a_queue_on(4, second_turn, min_speed, Some(0.4));
+    assert_let_go(&away, home);
+    let (equal, home) = follow_up_behind_a_queue_on(4, second_turn, min_speed, Some(1.0));
+    assert_eq!(equal.target.slot, home);
+    assert!(matches!(&equal.conversation, Some(Conversation::Held(_))));
 }
 
 #[test]
@@ -1373,6 +1506,82 @@ fn load_is_counted_and_released_through_the_phases() {
     assert_eq!(r.loads(&store, 2)[d.target.slot].queue_until_us, start + 10);
     assert!(r.finished(&store, &d, start + 20, true));
     assert_eq!(r.loads(&store, 2)[d.target.slot].inflight, 0);
+}
+
+/// `body` with `"stream": true`.
+fn streamed(body: &[u8]) -> Vec<u8> {
+    let text = String::from_utf8_lossy(body);
+    text.replacen('{', r#"{"stream":true,"#, 1).into_bytes()
+}
+
+#[test]
+fn a_streamed_request_on_an_empty_queue_measures_its_workers_peak_speed() {
+    let store = MemoryStore::default();
+    let mut r = router(&store, 1);
+    let keys = r.keys().clone();
+    let live = || read_live(&store, &keys).get(0).copied().unwrap_or_default();
+    // Not streamed: its first byte is the whole answer, no probe.
+    let d = route(&mut r, &store, &body(&png(1000, 1000), "a"), 0, 0);
+    assert_eq!(d.speed_probe, None);
+    assert_eq!(r.measure_speed(&store, &d, 100_000), None);
+    assert!(r.finished(&store, &d, 1_000_000, false));
+    // Streamed, on an empty queue: its uncached tokens over the time to its first chunk.
+    let d = route(
+        &mut r,
+        &store,
+        &streamed(&body(&png(1001, 1000), "b")),
+        2_000,
+        0,
+    );
+    let probe = d.speed_probe.expect("a probe");
+    assert_eq!(probe.routed_us, 2_000_000);
+    assert!(probe.tokens >= SPEED_PROBE_MIN_TOKENS);
+    // A second one, routed while the first's prefill is queued, probes nothing: its time to
+    // its first chunk counts its wait.
+    let e = route(
+        &mut r,
+        &store,
+        &streamed(&body(&png(1002, 1000), "c")),
+        2_001,
+        0,
+    );
+    assert!(e.prefill_window.is_some_and(|(start, _)| start > 2_001_000));
+    assert_eq!(e.speed_probe, None);
+    let want = f64::from(probe.tokens) / 0.1;
+    assert_eq!(r.measure_speed(&store, &e, 2_000_000 + 100_000), None);
+    let measured = r.measure_speed(&store, &d, 2_000_000 + 100_000);
+    assert!(
+        measured.is_some_and(|m| (m - want).abs() < 1.0),
+        "{measured:?}"
+    );
+    assert!(r.prefill_done(&store, &d, 2_000_000 + 100_000));
+    assert!((f64::from(live().prefill_tps_peak) - want).abs() < 1.0);
+    assert_eq!(live().prefill_probes, 1);
+    assert_eq!(live().peak_prefill_tps(), None, "one probe is not enough");
+    assert!(r.finished(&store, &d, 3_000_000, true));
+    assert!(r.finished(&store, &e, 3_000_000, false));
+    // More probes, each alone and slower: the peak decays by one step each, and counts from
+    // the eighth probe on.
+    let min = crate::state::workers::MIN_PROBES;
+    for i in 1..u32::from(min) {
+        let at = 10_000 + u64::from(i) * 20_000;
+        let f = route(
+            &mut r,
+            &store,
+            &streamed(&body(&png(1003 + i, 1000), "d")),
+            at,
+            0,
+        );
+        let slow = f.speed_probe.expect("a probe");
+        assert!(
+            r.measure_speed(&store, &f, slow.routed_us + 10_000_000)
+                .is_some()
+        );
+        assert!(r.finished(&store, &f, slow.routed_us + 10_000_000, true));
+    }
+    let decayed = want * crate::state::workers::PEAK_DECAY.powi(i32::from(min) - 1);
+    let peak = live().peak_prefill_tps().expect("enough probes");
+    assert!((peak - decayed).abs() < 1.0, "{peak} {decayed}");
 }
 
 /// Moves `slot`'s allocation clock by `blocks` (other requests' allocations).
