@@ -142,7 +142,7 @@ pub struct Decision {
     /// A streamed request routed to an empty prefill queue, with at least
     /// [`SPEED_PROBE_MIN_TOKENS`] uncached: when it was routed (µs since the epoch), its
     /// uncached prompt tokens and the slot's incarnation. Its first chunk measures the
-    /// worker's prefill speed ([`Router::prefill_done`]).
+    /// worker's prefill speed (`Router::measure_speed`).
     pub speed_probe: Option<SpeedProbe>,
     /// Media items in the request.
     pub media: usize,
