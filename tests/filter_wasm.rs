@@ -79,13 +79,16 @@ fn chat<'a>(vm: &'a Vm, body: &str) -> proxy_wasm_host::RequestBuilder<'a> {
 
 // ---- shared state, read the way the filter lays it out ----
 
-fn loads(host: &Host, n: usize) -> Vec<Load> {
+/// The bytes of a shared-data table, by its key (empty when absent).
+fn table(host: &Host, key: impl Fn(&Keys) -> String) -> Vec<u8> {
     let keys = Keys::new(StateConfig::default().namespace(16));
-    let bytes = host
-        .shared_data(&keys.load())
+    host.shared_data(&key(&keys))
         .map(|(v, _)| v)
-        .unwrap_or_default();
-    decode_loads(&bytes, n)
+        .unwrap_or_default()
+}
+
+fn loads(host: &Host, n: usize) -> Vec<Load> {
+    decode_loads(&table(host, Keys::load), n)
 }
 
 /// In-flight requests per worker, from the shared load table.
@@ -102,12 +105,7 @@ fn queued_us(host: &Host, n: usize) -> Vec<u64> {
 /// Each worker's peak measured prefill speed (tokens/s, counted or not yet), from the shared
 /// live table.
 fn peak_speeds(host: &Host, n: usize) -> Vec<f64> {
-    let keys = Keys::new(StateConfig::default().namespace(16));
-    let bytes = host
-        .shared_data(&keys.live())
-        .map(|(v, _)| v)
-        .unwrap_or_default();
-    let live = LiveTable::decode(&bytes);
+    let live = LiveTable::decode(&table(host, Keys::live));
     (0..n)
         .map(|s| live.get(s).map_or(0.0, |l| f64::from(l.prefill_tps_peak)))
         .collect()

@@ -879,6 +879,15 @@ fn fill_home_read(
     (slots, held, lines)
 }
 
+/// [`bounded_home`] with room for every footprint and the load bounds lifted at any load
+/// (`load_bounds_lift_at` 0.5), then `tune`d.
+fn lifted_home(tune: impl FnOnce(&mut crate::scoring::ScoringConfig)) -> FilterConfig {
+    let mut config = bounded_home(1.0, config(2).state.capacity_blocks);
+    config.router.scoring.load_bounds_lift_at = 0.5;
+    tune(&mut config.router.scoring);
+    config
+}
+
 /// `home_hold(2, 0.25)` with shares over what the table has seen: the other application's
 /// 8 requests make this one's no more than one worker's share from its first request on.
 fn bounded_home(fit_load_factor: f64, capacity_blocks: u32) -> FilterConfig {
@@ -976,15 +985,9 @@ fn with_the_bounds_lifted_a_group_past_the_lifts_shares_keeps_its_load_bound() {
     // at any load (`load_bounds_lift_at` 0.5), all 8 stay. With `load_bounds_lift_max_shares`
     // 0.7 this group's shares at its k-th request are 2k / (8 + k): 0.67 at the fourth, 0.77
     // at the fifth, which keeps its bound and leaves (5 in flight, ceil(1.25 × 5 / 2) = 4).
-    let roomy = config(2).state.capacity_blocks;
-    let lifted = |max_shares: f64| {
-        let mut config = bounded_home(1.0, roomy);
-        config.router.scoring.load_bounds_lift_at = 0.5;
-        config.router.scoring.load_bounds_lift_max_shares = max_shares;
-        config
-    };
+    let lifted = |max_shares: f64| lifted_home(|s| s.load_bounds_lift_max_shares = max_shares);
     let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
-    let (fixed, _, _) = fill_home_after(bounded_home(1.0, roomy), 1);
+    let (fixed, _, _) = fill_home_after(bounded_home(1.0, config(2).state.capacity_blocks), 1);
     let (every, _, _) = fill_home_after(lifted(0.0), 1);
     let (limited, held, lines) = fill_home_after(lifted(0.7), 1);
     assert_eq!(first_away(&fixed), Some(2), "{fixed:?}");
@@ -1059,13 +1062,11 @@ fn with_the_bounds_lifted_a_slower_home_keeps_its_bound_with_the_option() {
     // Two workers, the home 0.4 times the other's speed. The lift at any load keeps all 8
     // on the home; with `load_bounds_lift_min_speed` 0.8 the slow home keeps its bound and the
     // third leaves, as without the lift. On equal workers the option does nothing.
-    let roomy = config(2).state.capacity_blocks;
     let lifted = |min_speed: f64| {
-        let mut config = bounded_home(1.0, roomy);
-        config.router.scoring.load_bounds_lift_at = 0.5;
-        config.router.scoring.load_bounds_lift_max_shares = 0.0;
-        config.router.scoring.load_bounds_lift_min_speed = min_speed;
-        config
+        lifted_home(|s| {
+            s.load_bounds_lift_max_shares = 0.0;
+            s.load_bounds_lift_min_speed = min_speed;
+        })
     };
     let first_away = |slots: &[usize]| slots.iter().position(|&s| s != slots[0]);
     // The other application's requests take the idle fast worker first: it is their home,
