@@ -372,7 +372,7 @@ async def replay(url, requests, arrival, sleep_factor, deadline_s, timeout_s=300
 
     async def run_session(http, rs):
         for k, r in enumerate(rs):
-            if k:
+            if k and time.perf_counter() - start <= deadline_s:
                 await asyncio.sleep(r.think * sleep_factor)
             if time.perf_counter() - start > deadline_s:
                 records.append({"session": r.session, "turn": r.turn, "error": "skipped: run deadline"})

@@ -56,6 +56,9 @@ WORKER_DEFAULTS = {
 }
 BLOCK_SIZE = 16
 QUICK_SHARE = 0.3  # --quick: this share of each family's sessions, one seed
+# --warmup replays another trace of the same family first: this far from the measured seed,
+# so its prompts and images are its own (a fleet that has served other users of the same kind).
+WARMUP_SEED_OFFSET = 1_000_000
 
 
 def tools_from_env():
@@ -178,8 +181,26 @@ def worker_args(a, gpu_blocks, time_scale, speed=1.0):
             "--mm-cache-items", str(a.mm_cache_items), "--model", tracegen.MODEL]
 
 
-def run_system(a, tools, system, n_workers, cell, variants):
-    """One replay of a cell's requests through `system`; returns (summary, records, extra)."""
+def warmup_requests(warm, sleep_factor, seconds):
+    """The warm-up's requests: an open-arrival trace's sessions that start within `seconds`
+    (the replay's deadline stops a closed loop's users)."""
+    if warm["header"]["arrival"].get("mode") == "closed":
+        return warm["requests"]
+    first = {}
+    for r in warm["requests"]:
+        first.setdefault(r.session, r.at)
+    return [r for r in warm["requests"] if first[r.session] * sleep_factor < seconds]
+
+
+def counters_since(after, before):
+    """Each worker's counters (`*_total`) less what they were `before`; gauges as read."""
+    return {w: {k: v - before.get(w, {}).get(k, 0.0) if k.endswith("_total") else v
+                for k, v in m.items()} for w, m in after.items()}
+
+
+def run_system(a, tools, system, n_workers, cell, variants, warm=None):
+    """One replay of a cell's requests through `system`, after `warm`'s for `a.warmup`
+    seconds where given; returns (summary, records)."""
     header = cell["header"]
     if system == "bound":
         # One worker, a cache that never evicts, no emulated time, waits x0.02: the most any
@@ -193,15 +214,27 @@ def run_system(a, tools, system, n_workers, cell, variants):
         fleet = replay.Fleet(system, args, tools, variants.get(system), cell["fetch_allow"])
         factor = scale = a.time_scale
     try:
+        before, warm_s = {}, None
+        if warm is not None and system != "bound":
+            # The same warm-up for every system: the fleet (and the router) have run a while
+            # when the measured replay starts; only the measured requests are counted.
+            t_warm = time.time()
+            reqs = warmup_requests(warm, factor, a.warmup)
+            asyncio.run(replay.replay(fleet.url, reqs, warm["header"]["arrival"], factor,
+                                      a.warmup))
+            time.sleep(0.3)
+            before, warm_s = fleet.metrics(), round(time.time() - t_warm, 1)
         records, wall = asyncio.run(replay.replay(fleet.url, cell["requests"], header["arrival"],
                                                   factor, a.deadline))
         time.sleep(0.3)  # let the last finished lines reach the worker logs
-        metrics = fleet.metrics()
+        metrics = counters_since(fleet.metrics(), before)
         fetches = (fleet.image_fetches() if cell["fetch_allow"] and system.startswith("mmrouter")
                    else None)
     finally:
         fleet.close()
     s = report.summarize(records, metrics, wall, len(cell["requests"]), scale, BLOCK_SIZE)
+    if warm_s is not None:
+        s["warmup_wall_s"] = warm_s
     if fetches is not None:
         s["filter_image_fetches"] = fetches
     if system == "bound":
@@ -246,6 +279,10 @@ def main(argv):
     for k, v in WORKER_DEFAULTS.items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=v,
                         help="mock-worker --" + MOCK_FLAGS[k])
+    ap.add_argument("--warmup", type=float, default=0.0,
+                    help="wall seconds of another trace of the same family (seed + "
+                         f"{WARMUP_SEED_OFFSET}) replayed through each fleet before the "
+                         "measured one and not counted (0: the fleet starts cold)")
     ap.add_argument("--deadline", type=float, default=900.0,
                     help="wall seconds after which a run sends nothing more")
     ap.add_argument("--images-dir", default=str(Path(tempfile.gettempdir()) / "mmrouter-cmp-images"))
@@ -284,6 +321,8 @@ def main(argv):
 
     plan = Plan(a, tools)
     families = [Path(a.trace).stem] if a.trace else plan.families
+    if a.warmup and a.trace:
+        sys.exit("--warmup replays another trace of a family: not with --trace")
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if a.resume and results_path.exists() else []
     done = {(r["family"], r["workers"], r["seed"], r["system"], r.get("repeat", 0)) for r in results}
@@ -294,12 +333,14 @@ def main(argv):
         for seed in seeds:
             c = plan.cell(f, seed, a.trace)
             print(f"  {f} seed {seed}: {json.dumps(c['summary'])}", flush=True)
+            if a.warmup:
+                plan.cell(f, seed + WARMUP_SEED_OFFSET)
     print(f"  ({time.time() - t_prep:.0f} s)", flush=True)
 
     meta = {
         "command": os.environ.get("BENCH_COMMAND") or "benches/compare/run.py " + shlex.join(argv),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "build": build_id(tools), "time_scale": a.time_scale,
+        "build": build_id(tools), "time_scale": a.time_scale, "warmup_s": a.warmup,
         "workers_flags": {k: getattr(a, k) for k in WORKER_DEFAULTS},
         "families": {f: (tracegen.describe_family(f, plan.cells[(f, seeds[0])]["header"]["params"])
                          if f in tracegen.NAMED else f) for f in families},
@@ -361,7 +402,8 @@ def main(argv):
         else:
             t_run = time.time()
             try:
-                summ, records = run_system(a, tools, s, w, c, variants)
+                warm = plan.cell(f, seed + WARMUP_SEED_OFFSET) if a.warmup else None
+                summ, records = run_system(a, tools, s, w, c, variants, warm)
             except Exception as e:  # noqa: BLE001  (one broken run must not lose the others)
                 print(f"[{i + 1}/{len(todo)}] {f} w={w} seed={seed} {s}: FAILED {e}", flush=True)
                 done_units += weight((f, w, seed, s, rep))

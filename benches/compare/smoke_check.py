@@ -7,7 +7,9 @@ Fails (exit 1, with the reasons) unless: report.md holds the table; every system
 has a row per family and worker count; hit rates are numbers in [0, 1]; the bound (one
 worker, unbounded cache) and the sim reference are at least round robin's; sim does not beat
 the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's;
-the prebuilt requests match what the mock computed (answers and prompt tokens); the simulator
+the prebuilt requests match what the mock computed (answers and prompt tokens); the workers'
+counters count as many requests as were answered (with --warmup: every system but the bound
+warmed up first, and its requests are not counted); the simulator
 reproduces the bound run's cached tokens; no run failed or had errors; mmrouter rows carry a
 prediction error and a TTFT forecast error; in families of URL images the filter fetched
 through Envoy at least once and at most once per image; every system named by --systems has
@@ -28,6 +30,8 @@ def check(out, min_requests, expected=()):
         problems.append("report.md has no table")
     rows = json.loads((out / "report.json").read_text())["rows"]
     results = json.loads((out / "results.json").read_text())
+    meta = out / "meta.json"
+    warmup = json.loads(meta.read_text()).get("warmup_s") if meta.exists() else None
     by = {(r["family"], r["workers"], r["system"]): r for r in rows}
     systems = {r["system"] for r in results}
     for s in expected:
@@ -80,6 +84,12 @@ def check(out, min_requests, expected=()):
             n, images = r.get("filter_image_fetches"), len(header["images"])
             if not isinstance(n, int) or not 1 <= n <= images:
                 problems.append(f"{tag}: the filter fetched {n!r} times for {images} URL images")
+        # The workers' counters count the measured requests only (a --warmup's are taken off).
+        served = sum((r.get("per_worker") or {}).values())
+        if served != r.get("ok"):
+            problems.append(f"{tag}: the workers served {served} requests, {r.get('ok')} answered")
+        if warmup and r["system"] != "bound" and not r.get("warmup_wall_s"):
+            problems.append(f"{tag}: no warm-up ran (--warmup {warmup})")
         c = r.get("sim_check")
         if c and c["mismatched"] > 0.1 * c["requests"]:
             problems.append(f"{tag}: simulated cached tokens differ on {c['mismatched']}/{c['requests']}")
