@@ -56,8 +56,9 @@ WORKER_DEFAULTS = {
 }
 BLOCK_SIZE = 16
 QUICK_SHARE = 0.3  # --quick: this share of each family's sessions, one seed
-# --warmup replays another trace of the same family first: this far from the measured seed,
-# so its prompts and images are its own (a fleet that has served other users of the same kind).
+# --warmup replays another trace of the same family first: this far from the measured seed, so
+# its sessions and images are its own; it keeps the measured trace's system prompts (a fleet
+# that has served other users of the same applications).
 WARMUP_SEED_OFFSET = 1_000_000
 
 
@@ -116,7 +117,12 @@ class Plan:
         self._expanded = {}
         self.image_server = None  # replay.ImageServer, started by the first URL-image family
 
-    def cell(self, family, seed, trace_file=None):
+    def warmup_cell(self, family, seed):
+        """The `--warmup` trace of a cell: seed + WARMUP_SEED_OFFSET, with the cell's system
+        prompts."""
+        return self.cell(family, seed + WARMUP_SEED_OFFSET, prompts_of=seed)
+
+    def cell(self, family, seed, trace_file=None, prompts_of=None):
         key = (family, seed)
         if key in self.cells:
             return self.cells[key]
@@ -133,6 +139,10 @@ class Plan:
                 sessions = max(8, round(p["sessions"] * QUICK_SHARE))
             over = {"users": a.users} if a.users else {}
             header, turns = tracegen.family_trace(family, seed, sessions=sessions, **over)
+            if prompts_of is not None:
+                # The warm-up's users are other users of the same applications: the measured
+                # trace's system prompts (turns pick them by index), their own sessions and images.
+                header["system_prompts"] = self.cell(family, prompts_of)["header"]["system_prompts"]
             gpu = p["gpu_blocks"]
             if a.gpu_blocks and not family.startswith("tight-"):
                 gpu = a.gpu_blocks
@@ -281,8 +291,9 @@ def main(argv):
                         help="mock-worker --" + MOCK_FLAGS[k])
     ap.add_argument("--warmup", type=float, default=0.0,
                     help="wall seconds of another trace of the same family (seed + "
-                         f"{WARMUP_SEED_OFFSET}) replayed through each fleet before the "
-                         "measured one and not counted (0: the fleet starts cold)")
+                         f"{WARMUP_SEED_OFFSET}, with the measured trace's system prompts) "
+                         "replayed through each fleet before the measured one and not counted "
+                         "(0: the fleet starts cold)")
     ap.add_argument("--deadline", type=float, default=900.0,
                     help="wall seconds after which a run sends nothing more")
     ap.add_argument("--images-dir", default=str(Path(tempfile.gettempdir()) / "mmrouter-cmp-images"))
@@ -334,7 +345,7 @@ def main(argv):
             c = plan.cell(f, seed, a.trace)
             print(f"  {f} seed {seed}: {json.dumps(c['summary'])}", flush=True)
             if a.warmup:
-                plan.cell(f, seed + WARMUP_SEED_OFFSET)
+                plan.warmup_cell(f, seed)
     print(f"  ({time.time() - t_prep:.0f} s)", flush=True)
 
     meta = {
@@ -402,7 +413,7 @@ def main(argv):
         else:
             t_run = time.time()
             try:
-                warm = plan.cell(f, seed + WARMUP_SEED_OFFSET) if a.warmup else None
+                warm = plan.warmup_cell(f, seed) if a.warmup else None
                 summ, records = run_system(a, tools, s, w, c, variants, warm)
             except Exception as e:  # noqa: BLE001  (one broken run must not lose the others)
                 print(f"[{i + 1}/{len(todo)}] {f} w={w} seed={seed} {s}: FAILED {e}", flush=True)

@@ -9,7 +9,8 @@ worker, unbounded cache) and the sim reference are at least round robin's; sim d
 the bound; every sim row has its sim-online row (the policy without lookahead), at most sim's;
 the prebuilt requests match what the mock computed (answers and prompt tokens); the workers'
 counters count as many requests as were answered (with --warmup: every system but the bound
-warmed up first, and its requests are not counted); the simulator
+warmed up first, on a trace of the same system prompts and other turns, and its requests are
+not counted); the simulator
 reproduces the bound run's cached tokens; no run failed or had errors; mmrouter rows carry a
 prediction error and a TTFT forecast error; in families of URL images the filter fetched
 through Envoy at least once and at most once per image; every system named by --systems has
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from report import SIMULATED
+from run import WARMUP_SEED_OFFSET
 
 
 def check(out, min_requests, expected=()):
@@ -90,6 +92,19 @@ def check(out, min_requests, expected=()):
             problems.append(f"{tag}: the workers served {served} requests, {r.get('ok')} answered")
         if warmup and r["system"] != "bound" and not r.get("warmup_wall_s"):
             problems.append(f"{tag}: no warm-up ran (--warmup {warmup})")
+        if warmup:
+            # Other users of the same applications: the system prompts, not the sessions.
+            warm = out / "traces" / f"{r['family']}-seed{r['seed'] + WARMUP_SEED_OFFSET}.jsonl"
+            lines = warm.read_text().splitlines() if warm.exists() else []
+            if not lines or not trace.exists():
+                problems.append(f"{tag}: no warm-up trace {warm.name}")
+            else:
+                wh, mh = json.loads(lines[0]), json.loads(trace.read_text().split("\n", 1)[0])
+                texts = lambda ls: {json.loads(x).get("text") for x in ls[1:]}  # noqa: E731
+                if wh["system_prompts"] != mh["system_prompts"]:
+                    problems.append(f"{tag}: the warm-up's system prompts are not the trace's")
+                if texts(lines) & texts(trace.read_text().splitlines()) - {None}:
+                    problems.append(f"{tag}: the warm-up repeats the trace's turns")
         c = r.get("sim_check")
         if c and c["mismatched"] > 0.1 * c["requests"]:
             problems.append(f"{tag}: simulated cached tokens differ on {c['mismatched']}/{c['requests']}")
