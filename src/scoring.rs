@@ -23,7 +23,8 @@
 //!
 //! - `speed(w)` is the worker's observed prefill speed (uncached prompt tokens per second,
 //!   from its `vllm:request_prefill_time_seconds` and token counters), or
-//!   `prefill_tokens_per_sec` until it has one.
+//!   `prefill_tokens_per_sec` until it has one; with `speed_capped_by_peak` (off by default),
+//!   at most its peak measured speed (`Candidate::peak_prefill_tps`) where that is known.
 //! - `matched_blocks(w)` is the prefix of the request's blocks that `w` holds; in precise
 //!   mode, the part of it still cached when `w` admits the request, after the blocks of the
 //!   prefill queued before it (`admission_match`, docs/ROUTING.md), at most the blocks routed
@@ -384,6 +385,13 @@ pub struct ScoringConfig {
     /// Default false: measured from the engines' counters, equal workers' speeds differed by
     /// up to 2× with their queues, and that moved homes for nothing (docs/ROUTING.md).
     pub home_speed_weighted: bool,
+    /// The cost weighs each worker at its reading (`speed(w)`) but at most its peak measured
+    /// speed (`Candidate::peak_prefill_tps`, once known): the reading falls with the
+    /// prefills in flight (a load signal the defaults rely on) but also overshoots, as the
+    /// engine counts cache hits at scheduling and prompt tokens at the prefill's end, and by
+    /// unequal amounts, so that a slow worker's reading said 0.47 of the fast ones' speed
+    /// where it was 0.40 (docs/BENCHMARKS.md, 271st run). Default false.
+    pub speed_capped_by_peak: bool,
 }
 
 impl Default for ScoringConfig {
@@ -424,6 +432,7 @@ impl Default for ScoringConfig {
             small_copy_share: 1.0 / 16.0,
             conversation_wait_where_copy_fits: false,
             home_speed_weighted: false,
+            speed_capped_by_peak: false,
         }
     }
 }
@@ -912,11 +921,16 @@ fn recompute_weight(candidates: &[Candidate], config: &ScoringConfig) -> f64 {
     config.recompute_weight * (1.0 + mean_inflight)
 }
 
-/// A candidate's prefill speed (tokens/s): observed, or `prefill_tokens_per_sec`.
+/// A candidate's prefill speed (tokens/s): observed, or `prefill_tokens_per_sec`; with
+/// `speed_capped_by_peak`, at most its peak where that is known.
 fn speed(c: &Candidate, config: &ScoringConfig) -> f64 {
-    known(c.prefill_tps)
+    let reading = known(c.prefill_tps)
         .filter(|s| *s > 0.0)
-        .unwrap_or(config.prefill_tokens_per_sec)
+        .unwrap_or(config.prefill_tokens_per_sec);
+    match peak_speed(c) {
+        Some(peak) if config.speed_capped_by_peak => reading.min(peak),
+        _ => reading,
+    }
 }
 
 /// What the worker can prefill at, when measured: its recent peak.

@@ -3,7 +3,7 @@
 use mmrouter::config::RouterConfig;
 use mmrouter::scoring::{
     Candidate, RequestSize, ScoringConfig, choose, conversation_load, goes_home,
-    home_wait_pays_for_preamble, slower_than_choice,
+    home_wait_pays_for_preamble, queued_blocks, slower_than_choice,
 };
 
 const SPEED: f64 = 8000.0;
@@ -71,6 +71,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.load_bounds_lift_at, 2.0);
     assert_eq!(c.load_bounds_lift_max_shares, 1.0);
     assert_eq!(c.load_bounds_lift_min_speed, 0.0);
+    assert!(!c.speed_capped_by_peak);
     assert_eq!(c.home_load_floor, 2);
     assert_eq!(c.home_fit_load_factor, 2.0);
     assert_eq!(c.home_max_shares, 1.5);
@@ -579,6 +580,39 @@ fn a_held_worker_is_slower_than_the_choice_only_below_the_share_of_its_peak_spee
         u[unknown].peak_prefill_tps = None;
         assert!(!slower_than_choice(&c, &u, 0, &with(0.8)));
     }
+}
+
+#[test]
+fn with_speed_capped_by_peak_the_cost_weighs_a_reading_at_most_at_the_peak() {
+    // The slow worker's reading overshoots (0.5 of the speed where its peak says 0.4); the
+    // fast worker's reading is below its peak (it is busy: the load signal stays).
+    let req = request(50);
+    let mut slow = worker(0, 0.0);
+    slow.prefill_tps = Some(0.5 * SPEED);
+    slow.peak_prefill_tps = Some(0.4 * SPEED);
+    let mut busy = worker(0, 0.0);
+    busy.prefill_tps = Some(0.8 * SPEED);
+    busy.peak_prefill_tps = Some(SPEED);
+    let capped = ScoringConfig {
+        speed_capped_by_peak: true,
+        ..config()
+    };
+    let prefill = |cfg: &ScoringConfig, w: &Candidate| {
+        choose(req, &[*w], cfg, 0).expect("choice").estimates[0].prefill_s
+    };
+    assert!((prefill(&config(), &slow) - 800.0 / (0.5 * SPEED)).abs() < 1e-9);
+    assert!((prefill(&capped, &slow) - 800.0 / (0.4 * SPEED)).abs() < 1e-9);
+    assert!((prefill(&capped, &busy) - 800.0 / (0.8 * SPEED)).abs() < 1e-9);
+    // No peak yet: the reading.
+    let mut unmeasured = slow;
+    unmeasured.peak_prefill_tps = None;
+    assert!((prefill(&capped, &unmeasured) - 800.0 / (0.5 * SPEED)).abs() < 1e-9);
+    // The queue the clock holds converts to blocks at the capped speed.
+    let mut queued = slow;
+    queued.queued_s = 1.0;
+    let at = |cfg: &ScoringConfig| queued_blocks(&queued, 16, cfg);
+    assert!((at(&config()) - 0.5 * SPEED / 16.0).abs() < 1e-9);
+    assert!((at(&capped) - 0.4 * SPEED / 16.0).abs() < 1e-9);
 }
 
 #[test]
