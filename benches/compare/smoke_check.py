@@ -80,7 +80,8 @@ def check(out, min_requests, expected=()):
             problems.append(f"{tag}: {r.get('answer_mismatch')} answers and "
                             f"{r.get('prompt_tokens_mismatch')} prompt token counts differ from trace-blocks")
         trace = out / "traces" / f"{r['family']}-seed{r['seed']}.jsonl"
-        header = json.loads(trace.read_text().split("\n", 1)[0]) if trace.exists() else {}
+        trace_lines = trace.read_text().splitlines() if trace.exists() else []
+        header = json.loads(trace_lines[0]) if trace_lines else {}
         if header.get("params", {}).get("image_source") == "url" and r["system"].startswith("mmrouter"):
             # Each image once per Envoy: at least one fetch, never more than the images sent.
             n, images = r.get("filter_image_fetches"), len(header["images"])
@@ -96,14 +97,13 @@ def check(out, min_requests, expected=()):
             # Other users of the same applications: the system prompts, not the sessions.
             warm = out / "traces" / f"{r['family']}-seed{r['seed'] + WARMUP_SEED_OFFSET}.jsonl"
             lines = warm.read_text().splitlines() if warm.exists() else []
-            if not lines or not trace.exists():
+            if not lines or not trace_lines:
                 problems.append(f"{tag}: no warm-up trace {warm.name}")
             else:
-                wh, mh = json.loads(lines[0]), json.loads(trace.read_text().split("\n", 1)[0])
-                texts = lambda ls: {json.loads(x).get("text") for x in ls[1:]}  # noqa: E731
-                if wh["system_prompts"] != mh["system_prompts"]:
+                texts = lambda ls: {json.loads(x).get("text") for x in ls[1:]} - {None}  # noqa: E731
+                if json.loads(lines[0])["system_prompts"] != header["system_prompts"]:
                     problems.append(f"{tag}: the warm-up's system prompts are not the trace's")
-                if texts(lines) & texts(trace.read_text().splitlines()) - {None}:
+                if texts(lines) & texts(trace_lines):
                     problems.append(f"{tag}: the warm-up repeats the trace's turns")
         c = r.get("sim_check")
         if c and c["mismatched"] > 0.1 * c["requests"]:
