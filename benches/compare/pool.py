@@ -16,6 +16,7 @@ where mmrouter's was lower or equal). A markdown table on stdout. With `--by-see
 are seeds: each side's hit rate and TTFT p99 are its means over the seed's runs and repeats,
 so that the standard error is over seeds, not over runs of one seed.
 """
+import argparse
 import json
 import math
 import statistics
@@ -53,15 +54,18 @@ def by_seed(ps):
 
 
 def main(argv):
-    against = "sglang"
-    seeded = "--by-seed" in argv
-    argv = [a for a in argv if a != "--by-seed"]
-    if "--against" in argv:
-        i = argv.index("--against")
-        against = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="DIR[:SYSTEM]",
+                    help="a scripts/bench-compare --out directory; SYSTEM: the row paired "
+                         "(default mmrouter)")
+    ap.add_argument("--against", default="sglang", help="the system it is paired with")
+    ap.add_argument("--by-seed", action="store_true",
+                    help="one pair per seed: the means over the seed's runs and repeats")
+    a = ap.parse_args(argv)
+    against, seeded = a.against, a.by_seed
     cells, bounds = {}, {}
-    for spec in argv:
+    for spec in a.runs:
         for key, r, g, bound in pairs(spec, against):
             cells.setdefault(key, []).append((r, g))
             bounds.setdefault(key, []).append(bound and bound.get("hit_rate"))
@@ -90,6 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    if len([a for a in sys.argv[1:] if a != "--by-seed"]) < 1 or sys.argv[-1] == "--against":
-        sys.exit(__doc__)
     main(sys.argv[1:])
