@@ -376,8 +376,8 @@ pub struct ScoringConfig {
     pub conversation_wait_where_copy_fits: bool,
     /// A new group's home is placed by each worker's homed traffic and groups per unit of its
     /// peak measured prefill speed (`Live::prefill_tps_peak`, from the router's own requests
-    /// on an empty queue) relative to the fastest eligible worker's (speeds within 25% of
-    /// it count as equal; unknown speeds as the fastest), so that a worker at 0.4 times the
+    /// on an empty queue) relative to the fastest eligible worker's (speeds at least half
+    /// of it count as equal; unknown speeds as the fastest), so that a worker at 0.4 times the
     /// others' speed is given about 0.4 times their traffic
     /// ([`crate::state::homes::Eligible`]). Where the speeds differ, a home that carries more
     /// than 1.25 times its part of the homed traffic by speed gives up a group as

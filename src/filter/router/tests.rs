@@ -775,6 +775,11 @@ fn with_speed_weighted_homes_a_slower_worker_is_home_to_fewer_groups() {
     // Equal workers where one reads at 0.4 of the other (busy: its prefill times count their
     // waits): their measured peaks are equal, so homes are placed as on equal workers.
     assert_eq!(homes_on(true, &[20_000.0; 2], &[20_000.0, 8_000.0]), [4, 4]);
+    // Peaks at 0.7 of each other are the probes' noise on equal workers (the first probes
+    // count image-heavy requests' encoder time): placed as equal. At 0.45, weighted.
+    assert_eq!(homes_on(true, &[20_000.0, 14_000.0], &[]), [4, 4]);
+    let [fast, slow] = homes_on(true, &[20_000.0, 9_000.0], &[]);
+    assert!(fast >= 5 && slow <= 3, "{fast} / {slow}");
 }
 
 #[test]
