@@ -23,10 +23,10 @@ const HOME_GROUPS: usize = 256;
 /// worker happened to run. In the ninety-sixth run the slowest of equal workers read 0.72-0.99
 /// times the fastest's speed with 2 workers, and 0.43-0.94 with 4 and 8 (image-heavy requests
 /// read slower: the encoder's time is in the prefill time), which no band separates from a
-/// slower GPU. Hence the option is off by default. Measured by the probes' peak, equal
+/// slower GPU. Measured by the probes' peak (counted from the eighth probe), equal
 /// workers after a warm-up still read 0.79 of each other (277th run, docs/BENCHMARKS.md), at
 /// the edge of the 0.25 it was: half the fastest's speed and above counts as equal, so that
-/// only a worker at most half as fast (0.4 in the held-out `mixed-fleet`) is weighted.
+/// only a worker below half the fastest's speed (0.4 in the held-out `mixed-fleet`) is weighted.
 const SPEED_BAND: f64 = 0.5;
 
 /// With `scoring.home_speed_weighted` on a fleet of unequal speeds, a home moves when it carries
