@@ -24,6 +24,11 @@ from report import SIMULATED
 from run import WARMUP_SEED_OFFSET
 
 
+def turn_texts(lines):
+    """The user texts of a trace's turns (its lines after the header)."""
+    return {json.loads(x).get("text") for x in lines[1:]} - {None}
+
+
 def check(out, min_requests, expected=()):
     out = Path(out)
     problems = []
@@ -100,10 +105,9 @@ def check(out, min_requests, expected=()):
             if not lines or not trace_lines:
                 problems.append(f"{tag}: no warm-up trace {warm.name}")
             else:
-                texts = lambda ls: {json.loads(x).get("text") for x in ls[1:]} - {None}  # noqa: E731
                 if json.loads(lines[0])["system_prompts"] != header["system_prompts"]:
                     problems.append(f"{tag}: the warm-up's system prompts are not the trace's")
-                if texts(lines) & texts(trace_lines):
+                if turn_texts(lines) & turn_texts(trace_lines):
                     problems.append(f"{tag}: the warm-up repeats the trace's turns")
         c = r.get("sim_check")
         if c and c["mismatched"] > 0.1 * c["requests"]:
