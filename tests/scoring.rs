@@ -88,7 +88,7 @@ fn defaults_are_the_documented_ones_and_valid() {
     assert_eq!(c.home_wait_allowance, 4.0);
     assert_eq!(c.small_copy_share, 1.0 / 16.0);
     assert!(!c.conversation_wait_where_copy_fits);
-    assert!(!c.home_speed_weighted);
+    assert!(c.home_speed_weighted);
     assert!(c.validate().is_ok());
 }
 
