@@ -138,7 +138,15 @@ fn the_allocation_cap_sees_what_an_input_holds() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let cap = fuzz::alloc_cap::Cap::set(64 << 20);
     let held = vec![1u8; 3 << 20];
-    assert!(cap.peak() >= 3 << 20, "peak {} under 3 MiB", cap.peak());
+    // The counter is the whole process's: another test thread of this binary may free a few
+    // bytes between the set and the allocation (a CI run saw the peak 24 bytes short), so the
+    // peak is held to the allocation less a slack far below it; without the count it is ~0.
+    let slack = 64 << 10;
+    assert!(
+        cap.peak() + slack >= held.len(),
+        "peak {} under 3 MiB less {slack} bytes",
+        cap.peak()
+    );
     drop(held);
     // The configuration of issue 14's VM crash (no size cap) and a PNG claiming 65535x65535
     // stay far under the analyze target's cap.
