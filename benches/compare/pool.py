@@ -2,7 +2,8 @@
 """mmrouter against SGLang over several harness runs: one pair per (run, seed), pooled.
 
     python3 benches/compare/pool.py [--against SYSTEM] [--by-seed] DIR[:SYSTEM] ...
-        # DIR:SYSTEM: mmrouter's row in that run (default mmrouter); --against: sglang
+        # DIR:SYSTEM: mmrouter's row in that run (default mmrouter; the header names it);
+        # --against: sglang
         # --by-seed: one pair per seed, the mean over every run and repeat of that seed
 
 Single runs of a tight-cache cell move by about ±0.04, so one run's ratio says little. This
@@ -64,13 +65,15 @@ def main(argv):
                     help="one pair per seed: the means over the seed's runs and repeats")
     a = ap.parse_args(argv)
     against, seeded = a.against, a.by_seed
+    # The header names the row paired: `mmrouter-hsw`, not `mmrouter`, when DIR:mmrouter-hsw.
+    label = " + ".join(dict.fromkeys(spec.partition(":")[2] or "mmrouter" for spec in a.runs))
     cells, bounds = {}, {}
     for spec in a.runs:
         for key, r, g, bound in pairs(spec, against):
             cells.setdefault(key, []).append((r, g))
             bounds.setdefault(key, []).append(bound and bound.get("hit_rate"))
-    print(f"| family | workers | pairs | mmrouter | {against} | ratio | difference ± SE | mmrouter ≥ "
-          f"{against} | bound | TTFT p99 s, mmrouter / {against} (mmrouter lower or equal) |")
+    print(f"| family | workers | pairs | {label} | {against} | ratio | difference ± SE | {label} ≥ "
+          f"{against} | bound | TTFT p99 s, {label} / {against} ({label} lower or equal) |")
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for (fam, w), ps in sorted(cells.items()):
         if seeded:
